@@ -1,0 +1,6 @@
+"""simplefsdp: Fully Sharded Data Parallel compiled by ``torch.compile``."""
+
+from simplefsdp.api import compile_sharded
+from simplefsdp.runtime.mixed_precision import MixedPrecision
+
+__all__ = ["compile_sharded", "MixedPrecision"]

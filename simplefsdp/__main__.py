@@ -1,0 +1,5 @@
+import sys
+
+from simplefsdp.cli import main
+
+sys.exit(main())

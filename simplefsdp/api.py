@@ -1,0 +1,75 @@
+"""The public entry point: ``compile_sharded``."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, TypeVar
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from simplefsdp.runtime.compile import check_compile_options, compile_in_place
+from simplefsdp.runtime.mesh import MODES, check_mesh, default_mesh
+from simplefsdp.runtime.mixed_precision import MixedPrecision
+from simplefsdp.runtime.replicate_compute import ReplicateComputation
+from simplefsdp.runtime.sharding import (
+    broadcast_buffers,
+    check_not_sharded,
+    check_same_model_on_all_ranks,
+    shard_parameters,
+)
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def compile_sharded(
+    model: ModuleT | None = None,
+    *,
+    mesh: DeviceMesh | None = None,
+    mode: str = "fully_shard",
+    mp_policy: MixedPrecision | None = None,
+    reshard_after_forward: bool = True,
+    compile: bool = True,
+    backend: str | Callable = "inductor",
+    **compile_options: Any,
+) -> ModuleT | Callable[[ModuleT], ModuleT]:
+    """Shard ``model``'s parameters over the data-parallel mesh and compile its forward, in place.
+
+    ``mode``: ``"fully_shard"`` (1-D mesh, ZeRO-3), ``"replicate"`` (1-D mesh, DDP-like) or
+    ``"hybrid_shard"`` (2-D ``(replicate, shard)`` mesh). ``mesh`` defaults to the whole world.
+    Returns the same module. Called without ``model`` it returns a decorator.
+    Every argument is checked before any collective runs.
+    """
+    options = dict(
+        mesh=mesh, mode=mode, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+        compile=compile, backend=backend, **compile_options,
+    )
+    if model is None:
+        return functools.partial(compile_sharded, **options)
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"compile_sharded expects a torch.nn.Module, got {type(model).__name__}; "
+            "wrap plain functions in an nn.Module first"
+        )
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
+        raise TypeError(f"mp_policy must be simplefsdp.MixedPrecision or None, got {type(mp_policy).__name__}")
+    check_compile_options(compile_options)
+    check_not_sharded(model)
+    mesh = mesh if mesh is not None else default_mesh(mode)
+    check_mesh(mesh, mode)
+
+    mp_policy = mp_policy or MixedPrecision()
+    model.to(mesh.device_type)
+    check_same_model_on_all_ranks(model, mesh)
+    broadcast_buffers(model, mesh)
+    replicate = ReplicateComputation(
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+        reshard_after_forward=reshard_after_forward and mode != "replicate",
+    )
+    shard_parameters(model, mesh, mode, replicate)
+    if compile:
+        compile_in_place(model, backend, compile_options)
+    return model

@@ -1,0 +1,56 @@
+"""Compiling a module in place, and telling the user once where it graph-breaks."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Any, Callable
+
+from torch import nn
+from torch._dynamo.utils import counters
+
+COMPILE_OPTIONS = ("fullgraph", "dynamic", "mode", "options", "disable")
+
+
+def check_compile_options(options: dict[str, Any]) -> None:
+    """Raise ``TypeError`` for a keyword that ``torch.compile`` does not take."""
+    unknown = sorted(set(options) - set(COMPILE_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"unknown option(s) {', '.join(unknown)}; compile_sharded passes only these on to torch.compile: "
+            f"{', '.join(COMPILE_OPTIONS)}"
+        )
+
+
+def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any]) -> None:
+    """``module.compile(...)``, keeping the module object and its ``state_dict`` keys.
+
+    Wraps the compiled call (``nn.Module._compiled_call_impl``, private) so that the
+    first call warns once, naming the graph breaks Dynamo recorded during it.
+    """
+    module.compile(backend=backend, **options)
+    module._compiled_call_impl = _warn_on_graph_breaks(module._compiled_call_impl, type(module).__name__)
+
+
+def _warn_on_graph_breaks(compiled: Callable, name: str) -> Callable:
+    checked = False
+
+    def call(*args, **kwargs):
+        nonlocal checked
+        if checked:
+            return compiled(*args, **kwargs)
+        before = Counter(counters["graph_break"])
+        result = compiled(*args, **kwargs)
+        checked = True
+        breaks = Counter(counters["graph_break"]) - before
+        if breaks:
+            reasons = "; ".join(f"{reason.splitlines()[0]} (x{count})" for reason, count in breaks.items())
+            warnings.warn(
+                f"{name} graph-breaks {sum(breaks.values())} time(s): {reasons}. Training stays correct "
+                "(each compiled piece keeps its own collectives) but communication cannot overlap across "
+                "a break; pass fullgraph=True to fail on the first one.",
+                stacklevel=2,
+            )
+        return result
+
+    return call

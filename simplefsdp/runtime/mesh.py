@@ -1,0 +1,62 @@
+"""The data-parallel world: process group start-up, device choice, and the device mesh per mode."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MODES = ("fully_shard", "replicate", "hybrid_shard")
+MESH_DIM_NAMES = {"fully_shard": ("shard",), "replicate": ("replicate",), "hybrid_shard": ("replicate", "shard")}
+
+
+def device_type() -> str:
+    """``"cuda"`` when a GPU is present, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(timeout: timedelta = timedelta(minutes=5)) -> None:
+    """Start the default process group once: from ``torchrun`` variables, else a 1-rank world.
+
+    NCCL on GPUs, gloo on CPUs. Does nothing when a group already exists.
+    """
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device_type() == "cuda" else "gloo"
+    if device_type() == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def default_mesh(mode: str) -> DeviceMesh:
+    """The whole world as a mesh for ``mode``; hybrid uses (nodes, ranks per node)."""
+    init_distributed()
+    world = dist.get_world_size()
+    if mode == "hybrid_shard":
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if world % per_node:
+            raise ValueError(
+                f"hybrid_shard needs the world ({world} ranks) to split evenly into nodes of {per_node}; "
+                "pass mesh=init_device_mesh(device, (replicas, shards)) explicitly"
+            )
+        return init_device_mesh(device_type(), (world // per_node, per_node), mesh_dim_names=MESH_DIM_NAMES[mode])
+    return init_device_mesh(device_type(), (world,), mesh_dim_names=MESH_DIM_NAMES[mode])
+
+
+def check_mesh(mesh: DeviceMesh, mode: str) -> None:
+    """Raise ``ValueError`` unless ``mesh`` has the dimensionality ``mode`` needs."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    wanted = len(MESH_DIM_NAMES[mode])
+    if mesh.ndim != wanted:
+        shape = "(replicas, shards)" if wanted == 2 else "(world_size,)"
+        raise ValueError(
+            f"mode={mode!r} needs a {wanted}-D mesh but got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; "
+            f"build one with init_device_mesh(device, {shape})"
+        )

@@ -1,0 +1,30 @@
+"""Mixed precision policy: the dtype parameters are gathered and computed in, and the dtype gradients are reduced in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """``param_dtype``: compute dtype of gathered parameters; ``reduce_dtype``: dtype of gradient reduction.
+
+    ``None`` keeps the parameter's own dtype. Sharded master parameters and the
+    gradients the optimizer sees stay in the parameter's dtype (usually fp32).
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, field)
+            if dtype is None:
+                continue
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(
+                    f"MixedPrecision({field}={dtype!r}) must be a floating-point torch.dtype, "
+                    f"e.g. {field}=torch.bfloat16, or None to keep the parameter dtype"
+                )

@@ -1,0 +1,63 @@
+"""The replicate-for-compute getter: how the forward reads a sharded parameter.
+
+Reading ``module.weight`` gathers the DTensor shard into a full local tensor
+(all-gather for ``Shard``, nothing for ``Replicate``), cast to the compute dtype.
+Its backward turns the local gradient into a ``Partial("avg")`` DTensor and
+reduces it back to the parameter's placement: reduce-scatter, all-reduce, or both.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+
+def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Checkpoint policy for the gather region: recompute every op (the all-gather, its wait, the cast)."""
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+# A partial, not a lambda: Dynamo traces selective checkpointing only through a partial.
+_reshard_context = functools.partial(create_selective_checkpoint_contexts, _recompute_everything)
+
+
+@dataclass(frozen=True)
+class ReplicateComputation:
+    """Turns a sharded DTensor parameter into the full local tensor the forward computes with."""
+
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    reshard_after_forward: bool
+
+    def gather(self, param: DTensor) -> torch.Tensor:
+        """All-gather ``param`` in ``param_dtype``; its gradient is averaged over ranks in ``reduce_dtype``."""
+        ndim = param.device_mesh.ndim
+        full = param.redistribute(
+            placements=[Replicate()] * ndim, forward_dtype=self.param_dtype, backward_dtype=self.reduce_dtype
+        )
+        return full.to_local(grad_placements=[Partial("avg")] * ndim)
+
+    def __call__(self, param: DTensor) -> torch.Tensor:
+        if self.reshard_after_forward:
+            return checkpoint(self.gather, param, use_reentrant=False, context_fn=_reshard_context)
+        return self.gather(param)
+
+
+def install_getters(module: nn.Module, names: list[str], replicate: ReplicateComputation) -> None:
+    """Make ``module.<name>`` return ``replicate(module._parameters[name])`` for each of ``names``.
+
+    The module's class is swapped for a subclass with one property per name, so
+    ``state_dict`` and ``named_parameters`` still see the sharded parameters.
+    """
+    cls = module.__class__
+    getters = {name: property(functools.partial(_read_parameter, name=name, replicate=replicate)) for name in names}
+    module.__class__ = type(f"Sharded{cls.__name__}", (cls,), getters)
+
+
+def _read_parameter(module: nn.Module, name: str, replicate: ReplicateComputation) -> torch.Tensor:
+    return replicate(module._parameters[name])

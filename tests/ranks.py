@@ -1,0 +1,59 @@
+"""Run a function on N local gloo ranks and collect what each rank returns."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    try:
+        outcome = ("ok", fn(*args))
+    except BaseException as error:  # reported to the parent, which re-raises
+        outcome = ("error", f"rank {rank}: {traceback.format_exc()}")
+        raise error
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as file:
+            pickle.dump(outcome, file)
+        dist.destroy_process_group()
+
+
+def run_on_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:
+    """Call ``fn(*args)`` on ``world_size`` spawned gloo ranks; return each rank's result, rank order.
+
+    Any rank's exception is re-raised here with that rank's traceback.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.start_processes(
+                _rank_main, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size, start_method="spawn"
+            )
+        except mp.ProcessRaisedException:
+            pass  # the rank's own traceback is in its result file
+        outcomes = []
+        for rank in range(world_size):
+            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as file:
+                outcomes.append(pickle.load(file))
+    errors = [detail for status, detail in outcomes if status == "error"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [detail for _, detail in outcomes]
