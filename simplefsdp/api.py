@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.runtime.compile import check_compile_options, compile_in_place
 from simplefsdp.runtime.mesh import MODES, check_mesh, default_mesh
-from simplefsdp.runtime.mixed_precision import MixedPrecision
+from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
 from simplefsdp.runtime.sharding import (
     broadcast_buffers,
@@ -70,6 +70,8 @@ def compile_sharded(
         reshard_after_forward=reshard_after_forward and mode != "replicate",
     )
     shard_parameters(model, mesh, mode, replicate)
+    if mp_policy.param_dtype is not None:
+        cast_floating_inputs(model, mp_policy.param_dtype)
     if compile:
         compile_in_place(model, backend, compile_options)
     return model

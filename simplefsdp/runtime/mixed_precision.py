@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch.utils._pytree import tree_map
 
 
 @dataclass(frozen=True)
@@ -28,3 +30,15 @@ class MixedPrecision:
                     f"MixedPrecision({field}={dtype!r}) must be a floating-point torch.dtype, "
                     f"e.g. {field}=torch.bfloat16, or None to keep the parameter dtype"
                 )
+
+
+def cast_floating_inputs(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating-point tensors among ``module``'s forward arguments to ``dtype`` (as FSDP2 does)."""
+
+    def cast(value):
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    def hook(_module, args, kwargs):
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)

@@ -26,10 +26,10 @@ def check_not_sharded(module: nn.Module) -> None:
             )
 
 
-def _fingerprint(module: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
-    """Names, shapes and dtypes of every parameter and buffer, in registration order."""
-    entries = [(f"param {n}", tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters(remove_duplicate=False)]
-    return entries + [(f"buffer {n}", tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
+def _fingerprint(module: nn.Module) -> list[str]:
+    """Name, shape and dtype of every parameter and buffer, in registration order."""
+    params = [f"parameter {n} {tuple(p.shape)} {p.dtype}" for n, p in module.named_parameters(remove_duplicate=False)]
+    return params + [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
 
 
 def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh) -> None:
@@ -49,7 +49,7 @@ def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh) -> None:
             rank = dist.get_global_rank(group, group_rank)
             diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
             detail = (
-                f"here {diff[0]} vs there {diff[1]}" if diff
+                f"{diff[0]} here, {diff[1]} there" if diff
                 else f"{len(mine)} parameters and buffers here vs {len(theirs)} there"
             )
             raise ValueError(

@@ -1,0 +1,187 @@
+"""Models, data and training loops shared by the multi-rank numerics tests.
+
+Each scenario is a model factory, a global batch per step and a loss. A rank
+trains its slice of every global batch; the reference trains the whole global
+batch in one process with no sharding at all.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from simplefsdp.models.llama import build_model
+
+STEPS = 5
+LOCAL_BATCH = 2
+LR = 1e-3
+
+
+class WithTinyFirstDim(nn.Module):
+    """A parameter whose first dimension (1) is smaller than the world size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(1, 8))
+        self.proj = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x * self.scale)
+
+
+class WithFrozenLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(8, 16)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.frozen(x)))
+
+
+class WithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 3)
+        self.register_buffer("offset", torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x - self.offset)
+
+
+class WithGraphBreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 16)
+        self.second = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.first(x))
+        torch._dynamo.graph_break()
+        return self.second(hidden)
+
+
+def _token_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 256, (size, 17), generator=torch.Generator().manual_seed(100 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _feature_batch(in_features: int, out_features: int):
+    def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(100 + step)
+        return torch.randn(size, in_features, generator=generator), torch.randn(size, out_features, generator=generator)
+
+    return batch
+
+
+def _lm_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
+
+
+def _mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output.float(), target)
+
+
+SCENARIOS = {
+    "llama": (lambda: build_model("debug"), _token_batch, _lm_loss),
+    "tied_llama": (lambda: build_model("debug", tie_embeddings=True), _token_batch, _lm_loss),
+    "linear_7x5": (lambda: nn.Linear(7, 5), _feature_batch(7, 5), _mse_loss),
+    "tiny_first_dim": (WithTinyFirstDim, _feature_batch(8, 3), _mse_loss),
+    "frozen_layer": (WithFrozenLayer, _feature_batch(8, 3), _mse_loss),
+    "buffer": (WithBuffer, _feature_batch(8, 3), _mse_loss),
+    "graph_break": (WithGraphBreak, _feature_batch(8, 3), _mse_loss),
+}
+
+
+def build(scenario: str) -> nn.Module:
+    """The scenario's model, initialized from seed 0."""
+    torch.manual_seed(0)
+    return SCENARIOS[scenario][0]()
+
+
+def train_reference(scenario: str, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single process, no sharding: AdamW on the concatenated global batch of ``world_size`` ranks."""
+    model = build(scenario)
+    _, batch, loss_fn = SCENARIOS[scenario]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for step in range(STEPS):
+        inputs, target = batch(step, LOCAL_BATCH * world_size)
+        loss = loss_fn(model(inputs), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+def _wrap_fsdp2(model: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    for layer in getattr(model, "layers", []):
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def train_on_rank(scenario: str, wrapper: str, options: dict) -> dict:
+    """Train this rank's slice with ``wrapper`` ("simplefsdp" or "fsdp2"); return losses, params, checks."""
+    from simplefsdp import MixedPrecision, compile_sharded
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build(scenario)
+    if scenario == "buffer" and rank != 0:
+        model.offset.add_(1.0)  # must be overwritten by rank 0's value when wrapping
+    options = dict(options)
+    mesh_shape = options.pop("mesh_shape", None)
+    param_dtype = options.pop("param_dtype", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if wrapper == "fsdp2":
+            model = _wrap_fsdp2(model, param_dtype)
+        else:
+            if mesh_shape is not None:
+                from torch.distributed.device_mesh import init_device_mesh
+
+                options["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+            policy = MixedPrecision(param_dtype, torch.float32) if param_dtype else None
+            returned = compile_sharded(model, mp_policy=policy, **options)
+            assert returned is model
+        _, batch, loss_fn = SCENARIOS[scenario]
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+        losses, grad_placements = [], {}
+        for step in range(STEPS):
+            inputs, target = batch(step, LOCAL_BATCH * world)
+            loss = loss_fn(model(inputs.chunk(world)[rank]), target.chunk(world)[rank])
+            loss.backward()
+            grad_placements = {
+                name: None if p.grad is None else (type(p.grad).__name__, tuple(map(str, p.grad.placements)))
+                for name, p in model.named_parameters()
+            }
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+    return {
+        "losses": losses,
+        "params": {name: p.full_tensor() for name, p in model.named_parameters()},
+        "param_placements": {name: tuple(map(str, p.placements)) for name, p in model.named_parameters()},
+        "param_is_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+        "grad_placements": grad_placements,
+        "state_dict_keys": list(model.state_dict()),
+        "buffers": {name: b.clone() for name, b in model.named_buffers()},
+        "tied": scenario != "tied_llama"
+        or model.output._parameters["weight"] is model.tok_embeddings._parameters["weight"],
+        "warnings": [str(w.message) for w in caught if "graph-breaks" in str(w.message)],
+    }
+
+
+def run_jobs(jobs: list[tuple[str, str, dict]]) -> list[dict]:
+    """Run each ``(scenario, wrapper, options)`` job in turn on this rank."""
+    return [train_on_rank(*job) for job in jobs]

@@ -1,0 +1,69 @@
+"""The public API's contract: same module back, sharded parameters, decorator form, default world."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from simplefsdp import compile_sharded
+from simplefsdp.models.llama import build_model
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collective ops (c10d and functional c10d) dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.namespace in ("c10d", "_c10d_functional")
+        return func(*args, **(kwargs or {}))
+
+
+def test_decorator_form_returns_the_same_module(fake_world):
+    model = build_model("debug")
+    keys = list(model.state_dict())
+    wrapped = compile_sharded(mode="fully_shard", compile=False)(model)
+    assert wrapped is model
+    assert list(model.state_dict()) == keys
+
+
+def test_state_dict_holds_shards_and_issues_no_collective(fake_world):
+    model = compile_sharded(build_model("debug"), compile=False)
+    counter = CollectiveCounter()
+    with counter:
+        state = model.state_dict()
+    assert counter.count == 0
+    weight = state["layers.0.feed_forward.w1.weight"]
+    assert isinstance(weight, DTensor) and weight.placements == (Shard(0),)
+    assert weight.to_local().shape == (192 // 8, 64)
+
+
+def test_collective_counter_sees_collectives(fake_world):
+    model = compile_sharded(nn.Linear(8, 8), compile=False)
+    counter = CollectiveCounter()
+    with counter:
+        model(torch.randn(2, 8))
+    assert counter.count >= 2  # the gathers of weight and bias: the counter can see collectives
+
+
+def test_default_mesh_is_a_one_rank_world_without_launcher():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    script = (
+        "import torch, torch.distributed as dist\n"
+        "from simplefsdp import compile_sharded\n"
+        "model = compile_sharded(torch.nn.Linear(4, 2), compile=False)\n"
+        "model(torch.randn(3, 4)).sum().backward()\n"
+        "weight = dict(model.named_parameters())[\"weight\"]\n"
+        "print(dist.get_world_size(), dist.get_backend(), weight.grad.to_local().shape)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "gloo", "torch.Size([2,", "4])"]

@@ -1,0 +1,84 @@
+"""Bad input gets a clear error that names the fix, raised before any collective runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import simplefsdp.runtime.sharding as sharding
+from simplefsdp import MixedPrecision, compile_sharded
+from ranks import run_on_ranks
+
+
+@pytest.fixture
+def no_collectives(monkeypatch):
+    """Make every collective compile_sharded could issue fail loudly."""
+
+    def collective_issued(*args, **kwargs):
+        raise AssertionError("a collective was issued before the input was rejected")
+
+    for name in ("all_gather_object", "broadcast", "all_gather", "scatter"):
+        monkeypatch.setattr(dist, name, collective_issued)
+    monkeypatch.setattr(sharding, "distribute_tensor", collective_issued)
+
+
+def test_not_a_module(fake_world, no_collectives):
+    with pytest.raises(TypeError, match="expects a torch.nn.Module, got function"):
+        compile_sharded(lambda x: x)
+
+
+def test_applied_twice(fake_world):
+    model = compile_sharded(nn.Linear(4, 4), compile=False)
+    with pytest.raises(ValueError, match="already a DTensor: compile_sharded was applied .* apply it once"):
+        compile_sharded(model, compile=False)
+
+
+@pytest.mark.parametrize(
+    ("mode", "shape", "message"),
+    [
+        ("fully_shard", (2, 4), "needs a 1-D mesh but got a 2-D mesh of shape \\(2, 4\\)"),
+        ("replicate", (2, 4), "needs a 1-D mesh"),
+        ("hybrid_shard", (8,), "needs a 2-D mesh .* init_device_mesh\\(device, \\(replicas, shards\\)\\)"),
+    ],
+)
+def test_mesh_does_not_fit_mode(fake_world, no_collectives, mode, shape, message):
+    mesh = init_device_mesh("cpu", shape)
+    with pytest.raises(ValueError, match=message):
+        compile_sharded(nn.Linear(4, 4), mesh=mesh, mode=mode, compile=False)
+
+
+def test_unknown_mode(fake_world, no_collectives):
+    with pytest.raises(ValueError, match="unknown mode 'zero3'; choose one of: fully_shard, replicate, hybrid_shard"):
+        compile_sharded(nn.Linear(4, 4), mode="zero3")
+
+
+def test_non_floating_param_dtype(fake_world, no_collectives):
+    with pytest.raises(ValueError, match="must be a floating-point torch.dtype, e.g. param_dtype=torch.bfloat16"):
+        compile_sharded(nn.Linear(4, 4), mp_policy=MixedPrecision(param_dtype=torch.int32))
+
+
+def test_unknown_compile_option(fake_world, no_collectives):
+    with pytest.raises(TypeError, match="unknown option\\(s\\) fulgraph; .* fullgraph"):
+        compile_sharded(nn.Linear(4, 4), fulgraph=True)
+
+
+def _wrap_rank_dependent_model() -> str:
+    out_features = 3 if dist.get_rank() == 0 else 4
+    try:
+        compile_sharded(nn.Linear(8, out_features), compile=False)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_shapes_differ_across_ranks():
+    messages = run_on_ranks(2, _wrap_rank_dependent_model)
+    assert messages[0].startswith(
+        "the model differs between rank 0 and rank 1: parameter weight (3, 8) torch.float32 here, "
+        "parameter weight (4, 8) torch.float32 there"
+    )
+    assert messages[1].startswith("the model differs between rank 1 and rank 0")
+    assert all("build the same model (same config) on every rank" in message for message in messages)

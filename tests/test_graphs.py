@@ -1,0 +1,47 @@
+"""Graph tests on the fake process group: world size 8 in one process, no real communication."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from torch._dynamo.backends.common import aot_autograd
+
+from simplefsdp import compile_sharded
+from simplefsdp.models.llama import build_model
+
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+
+
+def forward_backward_graphs(model: torch.nn.Module, *inputs: torch.Tensor) -> tuple[torch.fx.Graph, torch.fx.Graph]:
+    """The forward and backward graphs AOTAutograd hands to the compiler (min-cut partitioner, as Inductor)."""
+    graphs = []
+
+    def keep(graph_module, _example_inputs):
+        graphs.append(graph_module.graph)
+        return make_boxed_func(graph_module.forward)
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled(*inputs).sum().backward()
+    forward, backward = graphs
+    return forward, backward
+
+
+def count(graph: torch.fx.Graph, op) -> int:
+    return sum(node.target is op for node in graph.nodes)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_backward_regathers_only_when_resharding(fake_world, reshard_after_forward):
+    torch.manual_seed(0)
+    model = compile_sharded(build_model("debug"), reshard_after_forward=reshard_after_forward, compile=False)
+    num_params = len(list(model.parameters()))
+    forward, backward = forward_backward_graphs(model, torch.randint(0, 256, (2, 16)))
+    assert count(forward, ALL_GATHER) == num_params
+    assert count(backward, REDUCE_SCATTER) == num_params
+    # Every parameter is gathered again for backward except the embedding table:
+    # the embedding's backward reads only the token ids, never the weight.
+    assert count(backward, ALL_GATHER) == (num_params - 1 if reshard_after_forward else 0)
