@@ -67,3 +67,18 @@ def test_default_mesh_is_a_one_rank_world_without_launcher():
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "gloo", "torch.Size([2,", "4])"]
+
+
+def test_in_place_notice_is_hidden_only_for_that_message():
+    import logging
+
+    import torch._higher_order_ops.wrap as wrap
+
+    import simplefsdp.runtime.replicate_compute  # noqa: F401  (installs the filter)
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord(wrap.log.name, logging.WARNING, __file__, 0, message, None, None)
+
+    notice = "Detected that context_fn is passed to torch.utils.checkpoint under torch.compile."
+    assert not wrap.log.filter(record(notice))
+    assert wrap.log.filter(record("any other warning"))

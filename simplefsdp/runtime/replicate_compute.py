@@ -9,6 +9,7 @@ reduces it back to the parameter's placement: reduce-scatter, all-reduce, or bot
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,19 @@ def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 # A partial, not a lambda: Dynamo traces selective checkpointing only through a partial.
 _reshard_context = functools.partial(create_selective_checkpoint_contexts, _recompute_everything)
+
+
+class _HideInPlaceNotice(logging.Filter):
+    """Drops Dynamo's notice that a checkpoint ``context_fn`` must not contain in-place ops.
+
+    Our gather region never does; the notice would only confuse users at every compile.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_HideInPlaceNotice())
 
 
 @dataclass(frozen=True)
