@@ -1,8 +1,9 @@
 """``simplefsdp bench``: simplefsdp side by side with eager FSDP2, FSDP2 + compile, DDP, FSDP1 and a local floor.
 
 One launch of ``--nproc`` ranks runs every contender, one after another, so all of them see
-the same processes, the same rendezvous and the same machine load; Dynamo is reset between
-contenders. Each contender builds the model from the same seed and trains on the same batches
+the same processes, the same rendezvous and the same machine load. Dynamo is reset between
+contenders and the runs are not interleaved: Dynamo's cache is process-wide, and a contender
+whose guards pass reuses another's graph (``local`` ran DDP's graph when they shared one). Each contender builds the model from the same seed and trains on the same batches
 with AdamW, in two passes:
 
 1. **timing**: ``--warmup`` steps (compilation included; their total is the warm-up time), then
@@ -414,11 +415,12 @@ def _progress(row: dict) -> str:
 
 
 def _tolerance(results: dict) -> tuple[float, float] | None:
-    """``(rtol, atol)`` for the loss check; None means bitwise (``aot_eager`` backend)."""
+    """``(rtol, atol)`` for the loss check: ``torch.testing.assert_close``'s defaults for the parameter
+    dtype (fp32: 1.3e-6, 1e-5); None means bitwise (``aot_eager`` backend)."""
     if results["compile_backend"] == "aot_eager":
         return None
     dtype = getattr(torch, results["param_dtype"] or "float32")
-    return {torch.float32: (1e-4, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (1e-3, 1e-5)}[dtype]
+    return {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (1e-3, 1e-5)}[dtype]
 
 
 def check_parity(results: dict) -> tuple[bool, list[str]]:
