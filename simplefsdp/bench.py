@@ -1,14 +1,14 @@
 """``simplefsdp bench``: simplefsdp side by side with eager FSDP2, FSDP2 + compile, DDP, FSDP1 and a local floor.
 
-One launch of ``--nproc`` ranks runs every contender, one after another, so all of them see
-the same processes, the same rendezvous and the same machine load. Dynamo is reset between
-contenders and the runs are not interleaved: Dynamo's cache is process-wide, and a contender
-whose guards pass reuses another's graph (``local`` ran DDP's graph when they shared one). Each contender builds the model from the same seed and trains on the same batches
+One launch of ``--nproc`` ranks runs every contender, so all of them see the same processes,
+the same rendezvous and the same machine load. Dynamo's cache is process-wide and a graph is
+reused wherever its guards pass, so each compiled contender's modules are of classes of its
+own (``local`` gets a subclass for that), and warming up a compiled contender must compile. Each contender builds the model from the same seed and trains on the same batches
 with AdamW, in two passes:
 
 1. **timing**: ``--warmup`` steps (compilation included; their total is the warm-up time), then
-   ``--steps`` measured steps. A barrier before each step aligns the ranks; a step's time is
-   the slowest rank's.
+   ``--steps`` measured steps, interleaved across contenders. A barrier before each step aligns
+   the ranks; a step's time is the slowest rank's.
 2. **profile**: a fresh copy of the model is built under ``torch.profiler`` (memory events on)
    and trains two steps; the second one is read for peak memory, collectives and waits
    (``METHODS`` says exactly how). The profiler slows that step, so it is not timed.
@@ -55,7 +55,11 @@ CHECKED = ("simplefsdp", "simplefsdp-nopasses")
 PASSES_OFF = {"buckets": None, "reorder": False}
 WINDOW = "simplefsdp.bench.profiled_step"
 METHODS = {
-    "step_time": "wall time of forward+backward+optimizer step, slowest rank, median and quartiles over the measured steps",
+    "step_time": (
+        "wall time of forward+backward+optimizer step, slowest rank, median and quartiles over the measured steps, "
+        "which run interleaved across contenders; warm-up: the warm-up steps' total, compilation included "
+        "(Inductor's on-disk caches make a repeated run's compilation faster)"
+    ),
     "peak_memory": (
         "CPU: bytes allocated since the contender's fresh copy started being built and not yet freed, summed "
         "from torch.profiler allocation and free events (profile_memory=True), maximum over the profiled step, "
@@ -81,6 +85,7 @@ class Contender:
     name: str
     summary: str
     wrap: Callable[[nn.Module, argparse.Namespace], nn.Module]
+    compiled: bool = True
     distributed: bool = True
 
 
@@ -135,6 +140,8 @@ def _fsdp1(model: nn.Module, args: argparse.Namespace) -> nn.Module:
 
 
 def _local(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    """The plain model, compiled; its class becomes a subclass of its own so no other contender's graph fits it."""
+    model.__class__ = type(f"Local{type(model).__name__}", (type(model),), {})
     model.compile(backend=args.backend)
     return model
 
@@ -147,12 +154,12 @@ def contenders() -> list[Contender]:
         else "compile_sharded has no pass options yet (bucketing/reordering: issue 4), so this equals simplefsdp"
     )
     return [
-        Contender(REFERENCE, "fully_shard on each block and the root, eager", _fsdp2),
+        Contender(REFERENCE, "fully_shard on each block and the root, eager", _fsdp2, compiled=False),
         Contender("simplefsdp", "compile_sharded with default options", _simplefsdp),
         Contender("simplefsdp-nopasses", nopasses, _simplefsdp_passes_off),
         Contender("fsdp2-compile", "fully_shard on each block and the root, each block torch.compile'd", _fsdp2_compiled),
         Contender("ddp-compile", "DistributedDataParallel, torch.compile'd (full precision)", _ddp_compiled),
-        Contender("fsdp1", "FullyShardedDataParallel, one unit per block, eager", _fsdp1),
+        Contender("fsdp1", "FullyShardedDataParallel, one unit per block, eager", _fsdp1, compiled=False),
         Contender("local", "one process per rank, its own per-rank batch, no communication, compiled (full precision)",
                   _local, distributed=False),
     ]
@@ -253,31 +260,53 @@ def _gather(values: list[float]) -> torch.Tensor:
     return torch.stack(everyone)
 
 
-def _timing_pass(contender: Contender, args: argparse.Namespace, tokens: torch.Tensor) -> dict:
-    model, optimizer = _build(contender, args)
-    times, losses = [], []
-    for step in range(1, args.warmup + args.steps + 1):
-        batch = _batch(args, tokens, step)
+class _Timed:
+    """One contender's model and optimizer on this rank, with each step's time and loss."""
+
+    def __init__(self, contender: Contender, args: argparse.Namespace, tokens: torch.Tensor) -> None:
+        self.args, self.tokens = args, tokens
+        self.model, self.optimizer = _build(contender, args)
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def step(self, step: int) -> None:
+        batch = _batch(self.args, self.tokens, step)
         dist.barrier()
         start = time.perf_counter()
-        losses.append(_step(model, optimizer, batch).item())
+        self.losses.append(_step(self.model, self.optimizer, batch).item())
         _sync()
-        times.append(time.perf_counter() - start)
-    del model, optimizer
-    step_times = _gather(times).max(dim=0).values.tolist()
-    rank_losses = _gather(losses)
-    measured = step_times[args.warmup:]
-    q1, _, q3 = statistics.quantiles(measured, n=4) if len(measured) > 1 else (measured[0],) * 3
-    median = statistics.median(measured)
-    return {
-        "warmup_s": sum(step_times[: args.warmup]),
-        "step_times_s": measured,
-        "step_time_s": {"median": median, "q1": q1, "q3": q3, "min": min(measured), "max": max(measured)},
-        "tokens_per_s_per_rank": args.batch_size * args.seq_len / median,
-        "losses": rank_losses.mean(dim=0).tolist(),
-        "last_loss": rank_losses[:, -1].mean().item(),
-        "last_loss_per_rank": rank_losses[:, -1].tolist(),
-    }
+        self.times.append(time.perf_counter() - start)
+
+    def results(self) -> dict:
+        """Warm-up time and step-time statistics over ranks (slowest rank per step), losses per step."""
+        warmup = self.args.warmup
+        step_times = _gather(self.times).max(dim=0).values.tolist()
+        rank_losses = _gather(self.losses)
+        measured = step_times[warmup:]
+        q1, _, q3 = statistics.quantiles(measured, n=4) if len(measured) > 1 else (measured[0],) * 3
+        median = statistics.median(measured)
+        return {
+            "warmup_s": sum(step_times[:warmup]),
+            "step_times_s": measured,
+            "step_time_s": {"median": median, "q1": q1, "q3": q3, "min": min(measured), "max": max(measured)},
+            "tokens_per_s_per_rank": self.args.batch_size * self.args.seq_len / median,
+            "losses": rank_losses.mean(dim=0).tolist(),
+            "last_loss": rank_losses[:, -1].mean().item(),
+            "last_loss_per_rank": rank_losses[:, -1].tolist(),
+        }
+
+
+def _warm_up(contender: Contender, args: argparse.Namespace, tokens: torch.Tensor) -> _Timed:
+    """Build ``contender`` and run the warm-up steps; a compiled contender must compile graphs of its own."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    timed = _Timed(contender, args, tokens)
+    for step in range(1, args.warmup + 1):
+        timed.step(step)
+    if contender.compiled and counters["stats"]["unique_graphs"] == graphs:
+        raise RuntimeError("Dynamo compiled nothing for it: it reused another contender's graph; run it alone with --only")
+    return timed
 
 
 def _profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.Tensor) -> dict:
@@ -355,30 +384,56 @@ def _allocation_delta(live: dict[int, int], ptr: int, size: int) -> int:
     return -live.pop(ptr, 0)
 
 
+def _failed(row: dict, error: Exception) -> None:
+    row.update(status="failed", reason=f"{type(error).__name__}: {str(error).strip().splitlines()[0]}")
+
+
 def measure(args: argparse.Namespace) -> dict | None:
-    """Run every selected contender on this rank; rank 0 returns the results, the others None."""
+    """Run every selected contender on this rank; rank 0 returns the results, the others None.
+
+    Each contender is built and warmed up in turn; then the measured steps are interleaved
+    (step s of every contender, in an order rotated each step) so that drift in the machine's
+    load falls on all of them alike; last, each contender's profile pass. A contender that
+    raises becomes a row with the reason (the same error on every rank).
+    """
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *_, **__: None)
+    # Every compiled contender's graphs stay cached side by side (each one's own classes keep
+    # their guards apart); the default limit of 8 entries per code object is too few for that.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     tokens = load_tokens(None, args.seed)
     selected = [contender for contender in contenders() if args.only is None or contender.name in args.only]
-    rows = []
+    rows = {c.name: {"name": c.name, "summary": c.summary, "distributed": c.distributed, "status": "ok"} for c in selected}
+    timed: dict[str, _Timed] = {}
     for index, contender in enumerate(selected, 1):
-        say(f"[{index}/{len(selected)}] {contender.name}: {contender.summary} ...", flush=True)
-        started = time.perf_counter()
-        row = {"name": contender.name, "summary": contender.summary, "distributed": contender.distributed}
+        say(f"[{index}/{len(selected)}] {contender.name}: {contender.summary}: warming up ...", flush=True)
         try:
-            row.update(_timing_pass(contender, args, tokens))
-            row.update(_profile_pass(contender, args, tokens))
-            row["status"] = "ok"
+            timed[contender.name] = _warm_up(contender, args, tokens)
         except Exception as error:  # a contender that cannot run here becomes a row with the reason
-            row.update(status="failed", reason=f"{type(error).__name__}: {str(error).strip().splitlines()[0]}")
-        torch._dynamo.reset()
-        gc.collect()
-        dist.barrier()
-        say(f"[{index}/{len(selected)}] {contender.name}: {_progress(row)} ({time.perf_counter() - started:.0f} s)",
-            flush=True)
-        rows.append(row)
+            _failed(rows[contender.name], error)
+            say(f"[{index}/{len(selected)}] {contender.name}: {rows[contender.name]['reason']}", flush=True)
+    say(f"measuring {args.steps} steps of {', '.join(timed)}, interleaved ...", flush=True)
+    for step in range(args.warmup + 1, args.warmup + args.steps + 1):
+        names = list(timed)
+        for name in names[step % len(names):] + names[: step % len(names)]:
+            try:
+                timed[name].step(step)
+            except Exception as error:
+                del timed[name]
+                _failed(rows[name], error)
+    for name, run in timed.items():
+        rows[name].update(run.results())
+    timed.clear()
+    for index, contender in enumerate(selected, 1):
+        row = rows[contender.name]
+        if row["status"] == "ok":
+            try:
+                row.update(_profile_pass(contender, args, tokens))
+            except Exception as error:
+                _failed(row, error)
+            dist.barrier()
+        say(f"[{index}/{len(selected)}] {contender.name}: {_progress(row)}", flush=True)
     dist.destroy_process_group()
     if rank:
         return None
@@ -402,7 +457,7 @@ def measure(args: argparse.Namespace) -> dict | None:
         "optimizer": f"AdamW(lr={args.lr})",
         "seed": args.seed,
         "methods": METHODS,
-        "rows": rows,
+        "rows": list(rows.values()),
     }
 
 
