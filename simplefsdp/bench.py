@@ -3,8 +3,9 @@
 One launch of ``--nproc`` ranks runs every contender, so all of them see the same processes,
 the same rendezvous and the same machine load. Dynamo's cache is process-wide and a graph is
 reused wherever its guards pass, so each compiled contender's modules are of classes of its
-own (``local`` gets a subclass for that), and warming up a compiled contender must compile. Each contender builds the model from the same seed and trains on the same batches
-with AdamW, in two passes:
+own (``local`` gets a subclass for that), and warming up a compiled contender must compile.
+Each contender builds the model from the same seed and trains on the same batches with
+AdamW, in two passes:
 
 1. **timing**: ``--warmup`` steps (compilation included; their total is the warm-up time), then
    ``--steps`` measured steps, interleaved across contenders. A barrier before each step aligns
