@@ -31,6 +31,7 @@ import math
 import os
 import shlex
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -584,7 +585,11 @@ def report(results: dict, args: argparse.Namespace) -> int:
     if args.plot:
         write_bar_chart(args.plot, _panels(results))
         print(f"wrote {args.plot}")
-    return 0 if parity_ok else 1
+    if not parity_ok:
+        print("simplefsdp bench: failed: simplefsdp did not reproduce FSDP2 eager's loss; the 'loss parity' lines "
+              "above say which row, the rule and the difference", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _panels(results: dict) -> list[Panel]:

@@ -70,7 +70,7 @@ def test_loss_mismatch_fails_the_command(bench_run, tmp_path, capsys):
     simplefsdp = next(row for row in results["rows"] if row["name"] == "simplefsdp")
     simplefsdp["last_loss_per_rank"][1] = math.nextafter(simplefsdp["last_loss_per_rank"][1], math.inf)
     code, out = _rerun(results, tmp_path, capsys)
-    assert code == 1 and "loss parity: FAIL: simplefsdp" in out
+    assert code == 1 and "loss parity: FAIL: simplefsdp vs fsdp2-eager" in out
     results["compile_backend"] = "inductor"  # fp32 tolerance instead of bitwise: one ulp passes, 1e-3 does not
     assert _rerun(results, tmp_path, capsys)[0] == 0
     simplefsdp["last_loss_per_rank"][1] += 1e-3
