@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from simplefsdp.bench import _allocation_delta, check_parity, format_table
 from simplefsdp.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,3 +82,17 @@ def test_bad_contender_name_is_one_clear_error(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--only", "simplefsdp,fsdp3"])
     assert "unknown contender(s) fsdp3; choose from: fsdp2-eager, simplefsdp" in capsys.readouterr().err
+
+
+def test_allocation_accounting_ignores_blocks_allocated_before_the_profile():
+    live: dict[int, int] = {}
+    deltas = [_allocation_delta(live, ptr, size) for ptr, size in [(1, 100), (2, 50), (9, -70), (1, -100), (3, 10)]]
+    assert deltas == [100, 50, 0, -100, 10] and live == {2: 50, 3: 10}
+
+
+def test_parity_is_not_checked_without_the_reference(bench_run):
+    results = json.loads((bench_run[0] / "bench.json").read_text())
+    results["rows"] = [row for row in results["rows"] if row["name"] != "fsdp2-eager"]
+    ok, lines = check_parity(results)
+    assert ok and lines == ["loss parity: not checked (fsdp2-eager did not run)"]
+    assert "× FSDP2" in format_table(results) and "| simplefsdp | " in format_table(results)
