@@ -473,10 +473,14 @@ def _progress(row: dict) -> str:
 
 def _tolerance(results: dict) -> tuple[float, float] | None:
     """``(rtol, atol)`` for the loss check: ``torch.testing.assert_close``'s defaults for the parameter
-    dtype (fp32: 1.3e-6, 1e-5); None means bitwise (``aot_eager`` backend)."""
-    if results["compile_backend"] == "aot_eager":
-        return None
+    dtype (fp32: 1.3e-6, 1e-5); None means bitwise: ``aot_eager`` in full fp32, where simplefsdp and
+    FSDP2 do the same arithmetic. With a lower ``param_dtype`` they do not: FSDP2 (as torchtitan
+    configures it) also casts each sharded module's floating-point forward inputs, here the fp32
+    rotary table, while simplefsdp casts only parameters."""
     dtype = getattr(torch, results["param_dtype"] or "float32")
+    full_fp32 = dtype == torch.float32 and results["reduce_dtype"] in (None, "float32")
+    if results["compile_backend"] == "aot_eager" and full_fp32:
+        return None
     return {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (1e-3, 1e-5)}[dtype]
 
 
