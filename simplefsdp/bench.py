@@ -418,7 +418,8 @@ def measure(args: argparse.Namespace) -> dict | None:
     say(f"measuring {args.steps} steps of {', '.join(timed)}, interleaved ...", flush=True)
     for step in range(args.warmup + 1, args.warmup + args.steps + 1):
         names = list(timed)
-        for name in names[step % len(names):] + names[: step % len(names)]:
+        turn = step % max(1, len(names))
+        for name in names[turn:] + names[:turn]:
             try:
                 timed[name].step(step)
             except Exception as error:
