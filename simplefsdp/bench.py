@@ -45,7 +45,7 @@ from torch import nn
 from simplefsdp.api import compile_sharded
 from simplefsdp.barchart import Panel, write_bar_chart
 from simplefsdp.data import load_tokens, rank_batch
-from simplefsdp.models.llama import CONFIGS, build_model
+from simplefsdp.models.llama import CONFIGS, build_model, get_config
 from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks
 from simplefsdp.runtime.mesh import device_type, init_distributed
 from simplefsdp.runtime.mixed_precision import MixedPrecision
@@ -213,6 +213,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return report(json.loads(path.read_text()), args)
     if min(args.nproc, args.steps, args.warmup, args.batch_size, args.seq_len) < 1:
         raise SystemExit("simplefsdp bench: --nproc, --steps, --warmup, --batch-size and --seq-len must be at least 1")
+    longest = get_config(args.model).max_seq_len
+    if args.seq_len > longest:
+        raise SystemExit(f"simplefsdp bench: --seq-len {args.seq_len} is longer than {args.model} supports; "
+                         f"use --seq-len {longest} or less")
     command = shlex.join(["python", "-m", "simplefsdp", *argv])
     if is_launched_rank():
         results = measure(args)
@@ -256,10 +260,10 @@ def _batch(args: argparse.Namespace, tokens: torch.Tensor, step: int) -> torch.T
 
 def _gather(values: list[float]) -> torch.Tensor:
     """Every rank's ``values``, shape ``(world, len(values))``, float64."""
-    mine = torch.tensor(values, dtype=torch.float64)
+    mine = torch.tensor(values, dtype=torch.float64, device=device_type())
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    return torch.stack(everyone)
+    return torch.stack(everyone).cpu()
 
 
 class _Timed:

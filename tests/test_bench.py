@@ -105,3 +105,8 @@ def test_mixed_precision_compares_within_the_dtype_tolerance_even_under_aot_eage
     assert not check_parity(results)[0]
     results["param_dtype"] = "bfloat16"  # FSDP2 casts forward inputs too, so bf16 runs differ legitimately
     assert check_parity(results)[0]
+
+
+def test_too_long_sequence_is_one_clear_error():
+    with pytest.raises(SystemExit, match="--seq-len 500 is longer than debug supports; use --seq-len 128 or less"):
+        main(["bench", "--model", "debug", "--seq-len", "500"])
