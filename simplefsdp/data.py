@@ -37,3 +37,10 @@ def global_batch(tokens: torch.Tensor, step: int, batch_size: int, seq_len: int,
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, len(tokens) - seq_len - 1, (batch_size,), generator=generator)
     return torch.stack([tokens[start : start + seq_len + 1] for start in starts.tolist()])
+
+
+def rank_batch(
+    tokens: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int, rank: int, world: int
+) -> torch.Tensor:
+    """This rank's ``batch_size`` rows of the step's global batch of ``batch_size * world`` windows."""
+    return global_batch(tokens, step, batch_size * world, seq_len, seed).chunk(world)[rank]

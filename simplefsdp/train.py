@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from simplefsdp.api import compile_sharded
-from simplefsdp.data import global_batch, load_tokens
+from simplefsdp.data import load_tokens, rank_batch
 from simplefsdp.models.llama import CONFIGS, build_model
 from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks
 from simplefsdp.runtime.mesh import MODES, init_distributed
@@ -48,6 +48,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``, computed in fp32."""
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+
 def train(args: argparse.Namespace) -> None:
     """The training loop of one rank; rank 0 prints progress and a closing summary."""
     init_distributed()
@@ -68,11 +74,9 @@ def train(args: argparse.Namespace) -> None:
 
     step_times, losses = [], []
     for step in range(1, args.steps + 1):
-        batch = global_batch(tokens, step, args.batch_size * world, args.seq_len, args.seed)
-        batch = batch.chunk(world)[rank].to(device)
+        batch = rank_batch(tokens, step, args.batch_size, args.seq_len, args.seed, rank, world).to(device)
         start = time.perf_counter()
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        loss = next_token_loss(model, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -41,8 +43,7 @@ def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh) -> None:
     mine = _fingerprint(module)
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
-        gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
+        gathered = _all_gather_picklable(mine, group, mesh.device_type)
         for group_rank, theirs in enumerate(gathered):
             if theirs == mine:
                 continue
@@ -56,6 +57,19 @@ def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh) -> None:
                 f"the model differs between rank {dist.get_rank()} and rank {rank}: {detail}; "
                 "build the same model (same config) on every rank before compile_sharded"
             )
+
+
+def _all_gather_picklable(obj: object, group: dist.ProcessGroup, device: str) -> list:
+    """Every group rank's ``obj``, in group-rank order; ``dist.all_gather_object`` without its NumPy dependency."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    world = dist.get_world_size(group)
+    lengths = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
+    dist.all_gather(lengths, torch.tensor([len(payload)], device=device), group=group)
+    longest = max(int(length) for length in lengths)
+    padded = torch.cat([payload, payload.new_zeros(longest - len(payload))])
+    buffers = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(buffers, padded, group=group)
+    return [pickle.loads(bytes(buffer[: int(length)].tolist())) for buffer, length in zip(buffers, lengths)]
 
 
 def broadcast_buffers(module: nn.Module, mesh: DeviceMesh) -> None:
