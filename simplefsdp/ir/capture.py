@@ -10,19 +10,20 @@ stay separate; collectives, matmuls, attention and their order are as Inductor
 receives them. On meta tensors the run allocates nothing.
 
 Private PyTorch details used here, and only here: AOTAutograd's input
-descriptors (``node.meta["desc"]``) to name parameter placeholders.
+descriptors (``node.meta["desc"]``) to name parameter placeholders, and its
+``_boxed_call`` marker for callables that free their inputs early.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 from torch.utils._pytree import tree_flatten
@@ -55,26 +56,13 @@ def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: 
     dynamo_inputs: list[str | None] = []
     names = {id(param): name for name, param in model.named_parameters()}
 
-    def record(phase: str):
-        def compile_graph(gm: fx.GraphModule, _inputs) -> object:
-            graphs[phase] = gm
-            return make_boxed_func(gm.forward)
+    def record_graph(phase: str, gm: fx.GraphModule) -> None:
+        graphs[phase] = gm
 
-        return compile_graph
-
-    aot_backend = aot_autograd(
-        fw_compiler=record("forward"),
-        bw_compiler=record("backward"),
-        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
-        decompositions=select_decomp_table(),
-    )
-
-    def backend(gm: fx.GraphModule, inputs: list) -> object:
-        if fused_attention:
-            _use_fused_attention(gm)
+    def record_inputs(inputs: list) -> None:
         dynamo_inputs[:] = [names.get(id(value)) for value in inputs]
-        return aot_backend(gm, inputs)
 
+    backend = fx_backend(record_graph, record_inputs, fused_attention=fused_attention)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     try:
         outputs = compiled(*example_inputs)
@@ -93,6 +81,59 @@ def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: 
     torch.autograd.backward(differentiable, [torch.ones_like(out) for out in differentiable])
     forward = graphs["forward"]
     return CapturedGraphs(forward, graphs["backward"], _parameter_placeholders(forward, dynamo_inputs))
+
+
+def fx_backend(
+    on_graph: Callable[[str, fx.GraphModule], None] | None = None,
+    on_inputs: Callable[[list], None] | None = None,
+    *,
+    fused_attention: bool = False,
+) -> Callable:
+    """A ``torch.compile`` backend: AOTAutograd split as Inductor does it, graphs run as plain FX.
+
+    ``on_graph(phase, gm)`` sees the forward and the backward graph, ``on_inputs``
+    Dynamo's example inputs. Used bare, it runs exactly the graphs ``inspect``
+    prices, which is how the cpu calibration measures them.
+    """
+
+    def record(phase: str):
+        def compile_graph(gm: fx.GraphModule, _inputs) -> Callable:
+            if on_graph is not None:
+                on_graph(phase, gm)
+            return run_boxed(gm)
+
+        return compile_graph
+
+    aot_backend = aot_autograd(
+        fw_compiler=record("forward"),
+        bw_compiler=record("backward"),
+        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+        decompositions=select_decomp_table(),
+    )
+
+    def backend(gm: fx.GraphModule, inputs: list) -> Callable:
+        if fused_attention:
+            _use_fused_attention(gm)
+        if on_inputs is not None:
+            on_inputs(inputs)
+        return aot_backend(gm, inputs)
+
+    return backend
+
+
+def run_boxed(gm: fx.GraphModule) -> Callable[[list], object]:
+    """Run ``gm`` by ``fx.Interpreter`` with the boxed calling convention.
+
+    The interpreter clears the argument list and drops every value after its
+    last use, so tensors are freed as early as in Inductor's generated code.
+    """
+    interpreter = fx.Interpreter(gm)
+
+    def run(args: list) -> object:
+        return interpreter.boxed_run(args)
+
+    run._boxed_call = True  # AOTAutograd's (private) marker for a boxed callable
+    return run
 
 
 def _parameter_placeholders(forward: fx.GraphModule, dynamo_inputs: list[str | None]) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """Predicted run time of schedule nodes on a hardware profile.
 
 Compute: a roofline, ``max(FLOPs / matmul rate, bytes moved / memory bandwidth)``
-plus the kernel launch overhead; views, waits and tuple items cost nothing.
+plus the kernel launch and host dispatch overheads; views and tuple items cost
+only the dispatch overhead (0 on GPUs), waits nothing.
 
 Collectives: an alpha-beta model with ring factors. For ``n`` ranks and a full
 buffer of ``S`` bytes, a ring all-gather or reduce-scatter moves ``(n-1)/n * S``
@@ -28,12 +29,15 @@ def node_time(node: ScheduleNode, hardware: HardwareProfile, dtype: torch.dtype 
     """
     if node.kind == COLLECTIVE:
         return collective_time(node.collective, hardware)
-    if node.kind != COMPUTE or node.alias_of is not None:
+    if node.kind != COMPUTE:
         return 0.0
+    if node.alias_of is not None:
+        return hardware.dispatch_overhead
     flops = as_number(node.flops)
     moved = as_number(node.bytes_read) + as_number(node.bytes_written)
     rate = hardware.matmul_rate(dtype or torch.float32)
-    return hardware.kernel_overhead + max(flops / rate, moved / hardware.memory_bandwidth)
+    launch = hardware.dispatch_overhead + hardware.kernel_overhead
+    return launch + max(flops / rate, moved / hardware.memory_bandwidth)
 
 
 def collective_time(collective: Collective, hardware: HardwareProfile) -> float:

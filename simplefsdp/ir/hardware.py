@@ -30,7 +30,9 @@ class HardwareProfile:
     matmul rate actually reached. ``intra_node_bandwidth`` is the NCCL bus bandwidth
     between accelerators of one node, ``inter_node_bandwidth`` that of one
     accelerator's network link. ``kernel_overhead`` is the fixed cost of launching
-    one kernel; ``collective_latency`` that of starting one collective.
+    one kernel; ``dispatch_overhead`` the host's cost of every graph node, views
+    included (0 where the host runs ahead of the device, as on GPUs);
+    ``collective_latency`` the cost of starting one collective.
     """
 
     name: str
@@ -42,6 +44,7 @@ class HardwareProfile:
     inter_node_latency: float
     collective_latency: float
     kernel_overhead: float
+    dispatch_overhead: float
     devices_per_node: int
     memory_capacity: int
 
@@ -70,6 +73,7 @@ H100 = HardwareProfile(
     inter_node_latency=4e-6,
     collective_latency=10e-6,
     kernel_overhead=2e-6,
+    dispatch_overhead=0.0,
     devices_per_node=8,
     memory_capacity=80 * 2**30,
 )
@@ -86,6 +90,7 @@ A100 = HardwareProfile(
     inter_node_latency=5e-6,
     collective_latency=12e-6,
     kernel_overhead=3e-6,
+    dispatch_overhead=0.0,
     devices_per_node=8,
     memory_capacity=80 * 2**30,
 )
@@ -135,7 +140,7 @@ def cpu_profile(refresh: bool = False) -> HardwareProfile:
 
 
 def measure_cpu_profile() -> HardwareProfile:
-    """Measure this CPU: matmul FLOP/s per dtype, copy bandwidth, op overhead, and 2-rank gloo collectives.
+    """Measure this CPU: matmul FLOP/s per dtype, copy bandwidth, per-node overhead, 2-rank gloo collectives.
 
     Collectives are timed between two local processes with the thread share a
     2-rank training job gets, so the profile describes that setting.
@@ -144,7 +149,7 @@ def measure_cpu_profile() -> HardwareProfile:
     with _torch_threads(threads):
         rates = {name: _matmul_rate(dtype) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
         bandwidth = _copy_bandwidth()
-        overhead = _op_overhead()
+        dispatch = _dispatch_overhead()
     latency, gloo_bandwidth = _gloo_alpha_beta()
     return HardwareProfile(
         name="cpu",
@@ -155,7 +160,8 @@ def measure_cpu_profile() -> HardwareProfile:
         intra_node_latency=0.0,
         inter_node_latency=0.0,
         collective_latency=latency,
-        kernel_overhead=overhead,
+        kernel_overhead=0.0,
+        dispatch_overhead=dispatch,
         devices_per_node=os.cpu_count() or 1,
         memory_capacity=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
     )
@@ -196,9 +202,22 @@ def _copy_bandwidth(numel: int = 1 << 23) -> float:
     return 2 * source.nbytes / _median_seconds(lambda: target.copy_(source))
 
 
-def _op_overhead() -> float:
-    tiny = torch.ones(8)
-    return _median_seconds(lambda: [tiny.add(1) for _ in range(100)]) / 100
+def _tiny_ops(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(100):
+        x = (x + 1).view(-1)
+    return x
+
+
+def _dispatch_overhead() -> float:
+    """Seconds per node of running a graph of tiny ops the way ``simplefsdp.ir.capture`` runs graphs."""
+    from torch import fx
+
+    from simplefsdp.ir.capture import run_boxed
+
+    gm = fx.symbolic_trace(_tiny_ops)
+    run = run_boxed(gm)
+    nodes = sum(1 for node in gm.graph.nodes if node.op == "call_function" or node.op == "call_method")
+    return _median_seconds(lambda: run([torch.ones(8)])) / nodes
 
 
 _GLOO_SIZES = (1 << 12, 1 << 22)  # bytes per all-gather output
