@@ -1,5 +1,8 @@
 """The ``cpu`` profile against reality: cpu-small on 2 gloo ranks, predicted vs measured step time and peak memory.
 
+The profile is measured by the same two processes just before they time the
+steps, so both see the same share of this (shared, busy) machine.
+
 The measured run compiles with ``fx_backend()``: the same AOTAutograd forward and
 backward graphs that ``inspect`` prices, run as plain FX (Inductor's C++ code
 generation would cost minutes of test time on this machine). A step is one
@@ -22,13 +25,13 @@ from torch.profiler import ProfilerActivity, profile
 import simplefsdp
 from ranks import run_on_ranks
 from simplefsdp.ir.capture import fx_backend
-from simplefsdp.ir.hardware import cpu_profile
+from simplefsdp.ir.hardware import HardwareProfile, measure_cpu_profile_in_group
 from simplefsdp.ir.render import format_bytes, format_seconds
 from simplefsdp.models.llama import build_model
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
 from simplefsdp.runtime.sharding import shard_parameters
 
-BATCH, SEQ, STEPS = 4, 128, 8
+BATCH, SEQ, STEPS = 4, 128, 10
 
 
 def step(model, tokens):
@@ -36,9 +39,10 @@ def step(model, tokens):
     torch.autograd.backward(logits, torch.ones_like(logits))
 
 
-def measure_rank() -> tuple[float, int]:
-    """On one gloo rank: median step seconds and peak bytes of cpu-small, sharded and compiled."""
-    torch.set_num_threads(1)  # two ranks share this machine's two cores
+def measure_rank() -> tuple[HardwareProfile, float, int]:
+    """On one gloo rank: the cpu profile measured just before, median step seconds, peak bytes."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # two ranks share this machine's cores
+    hardware = measure_cpu_profile_in_group()  # calibrate in the same processes, under the same load
     torch.manual_seed(0)
     model = build_model("cpu-small")
     # compile_sharded's own steps, minus its cross-rank model check (all_gather_object needs numpy, absent here)
@@ -61,17 +65,17 @@ def measure_rank() -> tuple[float, int]:
         with open(trace) as file:
             events = json.load(file)["traceEvents"]
     peak = max(event["args"]["Total Allocated"] for event in events if event.get("name") == "[memory]")
-    return statistics.median(times[1:]), held + peak
+    return hardware, statistics.median(times[1:]), held + peak
 
 
 def test_cpu_profile_predicts_cpu_small_on_two_gloo_ranks():
     with torch.device("meta"):
         model = build_model("cpu-small")
-    hardware = cpu_profile(refresh=True)  # calibrate under the machine's load of the moment
-    report = simplefsdp.inspect(model, (torch.zeros(BATCH, SEQ, dtype=torch.long),), world_size=2, hardware=hardware)
     measured = run_on_ranks(2, measure_rank)
-    step_time = statistics.median(seconds for seconds, _ in measured)
-    peak = max(bytes_ for _, bytes_ in measured)
+    hardware = measured[0][0]
+    report = simplefsdp.inspect(model, (torch.zeros(BATCH, SEQ, dtype=torch.long),), world_size=2, hardware=hardware)
+    step_time = statistics.median(seconds for _, seconds, _ in measured)
+    peak = max(bytes_ for _, _, bytes_ in measured)
     predicted_time, predicted_peak = report.prediction.step_time, report.prediction.memory.peak_bytes
     print(
         f"\ncpu-small, 2 gloo ranks, {BATCH}x{SEQ} tokens per rank: step predicted {format_seconds(predicted_time)}, "

@@ -33,6 +33,10 @@ class HardwareProfile:
     one kernel; ``dispatch_overhead`` the host's cost of every graph node, views
     included (0 where the host runs ahead of the device, as on GPUs);
     ``collective_latency`` the cost of starting one collective.
+    ``holds_collective_inputs``: the communication backend keeps each collective's
+    input alive until the end of the step (measured for gloo: a reduce-scatter's
+    full-size input is released only later, by the backend; NCCL frees it when the
+    wait returns).
     """
 
     name: str
@@ -47,6 +51,7 @@ class HardwareProfile:
     dispatch_overhead: float
     devices_per_node: int
     memory_capacity: int
+    holds_collective_inputs: bool = False
 
     def matmul_rate(self, dtype: torch.dtype) -> float:
         """FLOP/s for ``dtype``; dtypes without an entry run at the ``float32`` rate."""
@@ -140,16 +145,26 @@ def cpu_profile(refresh: bool = False) -> HardwareProfile:
 
 
 def measure_cpu_profile() -> HardwareProfile:
-    """Measure this CPU: matmul FLOP/s per dtype, copy bandwidth, per-node overhead, 2-rank gloo collectives.
+    """Measure this CPU as a 2-rank gloo job uses it: two local processes, each with half the cores.
 
-    Collectives are timed between two local processes with the thread share a
-    2-rank training job gets, so the profile describes that setting.
+    See ``measure_cpu_profile_in_group`` for what is measured.
     """
-    threads = max(1, (os.cpu_count() or 1) // 2)
-    with _torch_threads(threads):
-        rates = {name: _matmul_rate(dtype) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
-        bandwidth = _copy_bandwidth()
-        dispatch = _dispatch_overhead()
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(_measuring_rank, args=(folder,), nprocs=2, start_method="spawn")
+        return load_profile(Path(folder, "profile.json"))
+
+
+def measure_cpu_profile_in_group() -> HardwareProfile:
+    """The ``cpu`` profile measured by this rank of a running gloo group; every rank must call it.
+
+    Matmul FLOP/s per dtype, copy bandwidth and per-node overhead with this
+    process's thread count, then the latency and bandwidth of all-gathers
+    between the group's ranks (alpha-beta fit of a small and a large message).
+    """
+    rates = {name: _matmul_rate(dtype) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    bandwidth, dispatch = _copy_bandwidth(), _dispatch_overhead()
     latency, gloo_bandwidth = _gloo_alpha_beta()
     return HardwareProfile(
         name="cpu",
@@ -164,21 +179,20 @@ def measure_cpu_profile() -> HardwareProfile:
         dispatch_overhead=dispatch,
         devices_per_node=os.cpu_count() or 1,
         memory_capacity=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        holds_collective_inputs=True,
     )
 
 
-class _torch_threads:
-    """Context manager running torch ops with ``count`` intra-op threads."""
+def _measuring_rank(rank: int, folder: str) -> None:
+    import torch.distributed as dist
 
-    def __init__(self, count: int) -> None:
-        self.count = count
-
-    def __enter__(self) -> None:
-        self.saved = torch.get_num_threads()
-        torch.set_num_threads(self.count)
-
-    def __exit__(self, *exc) -> None:
-        torch.set_num_threads(self.saved)
+    store = dist.FileStore(os.path.join(folder, "store"), 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
+    profile = measure_cpu_profile_in_group()
+    if rank == 0:
+        Path(folder, "profile.json").write_text(profile.to_json())
+    dist.destroy_process_group()
 
 
 def _median_seconds(fn, repeats: int = 7) -> float:
@@ -191,10 +205,14 @@ def _median_seconds(fn, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-def _matmul_rate(dtype: torch.dtype, size: int = 512) -> float:
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
-    return 2 * size**3 / _median_seconds(lambda: torch.mm(a, b))
+def _matmul_rate(dtype: torch.dtype) -> float:
+    """Median FLOP/s of linear-layer matmuls (``x @ w.T``) of 256 to 1024 wide: what small models run."""
+    rates = []
+    for size in (256, 512, 1024):
+        x = torch.randn(512, size, dtype=dtype)
+        w = torch.randn(2 * size, size, dtype=dtype)
+        rates.append(2 * 512 * size * 2 * size / _median_seconds(lambda: torch.mm(x, w.t())))
+    return statistics.median(rates)
 
 
 def _copy_bandwidth(numel: int = 1 << 23) -> float:
@@ -224,28 +242,16 @@ _GLOO_SIZES = (1 << 12, 1 << 22)  # bytes per all-gather output
 
 
 def _gloo_alpha_beta() -> tuple[float, float]:
-    """(latency s, bus bandwidth B/s) of a 2-rank gloo all-gather, fitted to a small and a large message."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(_gloo_rank, args=(folder,), nprocs=2, start_method="spawn")
-        small, large = json.loads(Path(folder, "times.json").read_text())
-    bus_fraction = 0.5  # ring all-gather on 2 ranks moves half the output per rank
-    bandwidth = bus_fraction * (_GLOO_SIZES[1] - _GLOO_SIZES[0]) / max(large - small, 1e-9)
-    return max(small - bus_fraction * _GLOO_SIZES[0] / bandwidth, 0.0), bandwidth
-
-
-def _gloo_rank(rank: int, folder: str) -> None:
+    """(latency s, bus bandwidth B/s) of all-gathers in the default group, fitted to a small and a large message."""
     import torch.distributed as dist
 
-    store = dist.FileStore(os.path.join(folder, "store"), 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    torch.set_num_threads(1)
+    ranks = dist.get_world_size()
     times = []
     for size in _GLOO_SIZES:
-        shard = torch.ones(size // 8, dtype=torch.float32)
+        shard = torch.ones(size // 4 // ranks, dtype=torch.float32)
         output = torch.empty(size // 4, dtype=torch.float32)
         times.append(_median_seconds(lambda: dist.all_gather_into_tensor(output, shard), repeats=9))
-    if rank == 0:
-        Path(folder, "times.json").write_text(json.dumps(times))
-    dist.destroy_process_group()
+    bus_fraction = (ranks - 1) / ranks  # a ring all-gather moves this share of the output through each rank
+    small, large = times
+    bandwidth = bus_fraction * (_GLOO_SIZES[1] - _GLOO_SIZES[0]) / max(large - small, 1e-9)
+    return max(small - bus_fraction * _GLOO_SIZES[0] / bandwidth, 0.0), bandwidth
