@@ -1,7 +1,8 @@
 """The ``cpu`` profile against reality: cpu-small on 2 gloo ranks, predicted vs measured step time and peak memory.
 
-The profile is measured by the same two processes just before they time the
-steps, so both see the same share of this (shared, busy) machine.
+The profile is measured by the same two processes just before and just after
+they time the steps (the mean of the two is used), so prediction and
+measurement see the same share of this shared, busy machine.
 
 The measured run compiles with ``fx_backend()``: the same AOTAutograd forward and
 backward graphs that ``inspect`` prices, run as plain FX (Inductor's C++ code
@@ -12,6 +13,7 @@ Peak memory is the highest "Total Allocated" of the CPU allocator's
 with (parameter shards, buffers, tokens).
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -42,7 +44,7 @@ def step(model, tokens):
 def measure_rank() -> tuple[HardwareProfile, float, int]:
     """On one gloo rank: the cpu profile measured just before, median step seconds, peak bytes."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # two ranks share this machine's cores
-    hardware = measure_cpu_profile_in_group()  # calibrate in the same processes, under the same load
+    before = measure_cpu_profile_in_group()  # calibrate in the same processes, around the timed steps
     torch.manual_seed(0)
     model = build_model("cpu-small")
     # compile_sharded's own steps, minus its cross-rank model check (all_gather_object needs numpy, absent here)
@@ -65,7 +67,21 @@ def measure_rank() -> tuple[HardwareProfile, float, int]:
         with open(trace) as file:
             events = json.load(file)["traceEvents"]
     peak = max(event["args"]["Total Allocated"] for event in events if event.get("name") == "[memory]")
-    return hardware, statistics.median(times[1:]), held + peak
+    return average_profile(before, measure_cpu_profile_in_group()), statistics.median(times[1:]), held + peak
+
+
+def average_profile(first: HardwareProfile, second: HardwareProfile) -> HardwareProfile:
+    """The field-by-field mean of two measurements of the same machine."""
+    fields = {}
+    for name, value in dataclasses.asdict(first).items():
+        other = getattr(second, name)
+        if isinstance(value, dict):
+            fields[name] = {key: (value[key] + other[key]) / 2 for key in value}
+        elif isinstance(value, float):
+            fields[name] = (value + other) / 2
+        else:
+            fields[name] = value
+    return HardwareProfile(**fields)
 
 
 def test_cpu_profile_predicts_cpu_small_on_two_gloo_ranks():

@@ -125,12 +125,13 @@ def run_boxed(gm: fx.GraphModule) -> Callable[[list], object]:
     """Run ``gm`` by ``fx.Interpreter`` with the boxed calling convention.
 
     The interpreter clears the argument list and drops every value after its
-    last use, so tensors are freed as early as in Inductor's generated code.
+    last use, so tensors are freed as early as in Inductor's generated code. A
+    fresh interpreter per call: one keeps the values of its last run (here the
+    forward's saved tensors) until it runs again.
     """
-    interpreter = fx.Interpreter(gm)
 
     def run(args: list) -> object:
-        return interpreter.boxed_run(args)
+        return fx.Interpreter(gm).boxed_run(args)
 
     run._boxed_call = True  # AOTAutograd's (private) marker for a boxed callable
     return run

@@ -33,10 +33,6 @@ class HardwareProfile:
     one kernel; ``dispatch_overhead`` the host's cost of every graph node, views
     included (0 where the host runs ahead of the device, as on GPUs);
     ``collective_latency`` the cost of starting one collective.
-    ``holds_collective_inputs``: the communication backend keeps each collective's
-    input alive until the end of the step (measured for gloo: a reduce-scatter's
-    full-size input is released only later, by the backend; NCCL frees it when the
-    wait returns).
     """
 
     name: str
@@ -51,7 +47,6 @@ class HardwareProfile:
     dispatch_overhead: float
     devices_per_node: int
     memory_capacity: int
-    holds_collective_inputs: bool = False
 
     def matmul_rate(self, dtype: torch.dtype) -> float:
         """FLOP/s for ``dtype``; dtypes without an entry run at the ``float32`` rate."""
@@ -179,7 +174,6 @@ def measure_cpu_profile_in_group() -> HardwareProfile:
         dispatch_overhead=dispatch,
         devices_per_node=os.cpu_count() or 1,
         memory_capacity=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        holds_collective_inputs=True,
     )
 
 
@@ -242,15 +236,27 @@ _GLOO_SIZES = (1 << 12, 1 << 22)  # bytes per all-gather output
 
 
 def _gloo_alpha_beta() -> tuple[float, float]:
-    """(latency s, bus bandwidth B/s) of all-gathers in the default group, fitted to a small and a large message."""
+    """(latency s, bus bandwidth B/s) of all-gathers in the default group, fitted to a small and a large message.
+
+    Each all-gather follows a short matmul, as in a training step, so the latency
+    includes the ranks drifting apart between collectives; the matmul's own time
+    is measured alone and subtracted.
+    """
     import torch.distributed as dist
 
     ranks = dist.get_world_size()
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    compute = _median_seconds(lambda: torch.mm(a, b), repeats=9)
     times = []
     for size in _GLOO_SIZES:
         shard = torch.ones(size // 4 // ranks, dtype=torch.float32)
         output = torch.empty(size // 4, dtype=torch.float32)
-        times.append(_median_seconds(lambda: dist.all_gather_into_tensor(output, shard), repeats=9))
+
+        def step() -> None:
+            torch.mm(a, b)
+            dist.all_gather_into_tensor(output, shard)
+
+        times.append(_median_seconds(step, repeats=15) - compute)
     bus_fraction = (ranks - 1) / ranks  # a ring all-gather moves this share of the output through each rank
     small, large = times
     bandwidth = bus_fraction * (_GLOO_SIZES[1] - _GLOO_SIZES[0]) / max(large - small, 1e-9)

@@ -42,13 +42,9 @@ class _Storage:
     last_use: int
 
 
-def memory_profile(forward: Schedule, backward: Schedule, hold_collective_inputs: bool = False) -> MemoryProfile:
-    """Liveness of the whole step (forward, then backward) and its peak.
-
-    ``hold_collective_inputs``: the communication backend keeps every collective's
-    input alive until the step ends (gloo does; see ``HardwareProfile``).
-    """
-    liveness = _Liveness(hold_collective_inputs)
+def memory_profile(forward: Schedule, backward: Schedule) -> MemoryProfile:
+    """Liveness of the whole step (forward, then backward) and its peak."""
+    liveness = _Liveness()
     for graph_input in forward.inputs:
         category = "sharded_params" if graph_input.param_fqn else "activations"
         liveness.hold(f"f:{graph_input.name}", as_number(graph_input.bytes), category)
@@ -72,8 +68,7 @@ def memory_profile(forward: Schedule, backward: Schedule, hold_collective_inputs
 class _Liveness:
     """Storages (keyed ``phase:name``) with the step that allocates and the last step that reads each."""
 
-    def __init__(self, hold_collective_inputs: bool) -> None:
-        self.hold_collective_inputs = hold_collective_inputs
+    def __init__(self) -> None:
         self.root: dict[str, str] = {}
         self.storages: dict[str, _Storage] = {}
         self.held: dict[str, _Storage] = {}
@@ -117,9 +112,8 @@ class _Liveness:
                 self.root[key] = self.root.get(f"{phase}:{node.alias_of}", key)
             else:
                 self.allocate(key, as_number(node.bytes_written), _category(node, users[node.name]))
-            last_use = _END if node.kind == COLLECTIVE and self.hold_collective_inputs else self.step
             for name in node.inputs:
-                self.use(f"{phase}:{name}", last_use)
+                self.use(f"{phase}:{name}", self.step)
             self.labels.append(f"{'forward' if phase == 'f' else 'backward'}:{node.name}")
             self.step += 1
 

@@ -96,7 +96,7 @@ def simulate(
         communication_time=total_comm,
         exposed_communication=exposed + (step_time - compute_clock),
         lower_bound=max(total_compute, total_comm),
-        memory=memory_profile(forward, backward, hardware.holds_collective_inputs),
+        memory=memory_profile(forward, backward),
         spans=spans,
         stalls=stalls,
         node_end_times=node_end_times,
