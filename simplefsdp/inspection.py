@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from simplefsdp.ir.capture import capture_graphs
+from simplefsdp.ir.capture import TraceError, capture_graphs
 from simplefsdp.ir.cost_model import as_number
 from simplefsdp.ir.hardware import PROFILE_NAMES, HardwareProfile, get_profile
 from simplefsdp.ir.render import chrome_trace, svg_timeline, text_summary
@@ -45,6 +45,7 @@ class InspectReport:
 
     @property
     def schedules(self) -> list[Schedule]:
+        """The forward and the backward schedule, in run order."""
         return [self.forward, self.backward]
 
     @property
@@ -105,7 +106,9 @@ def inspect(
                 f"parameter {name!r} is already sharded; pass inspect the model before compile_sharded"
             )
     meta_model = _meta_copy(model)
-    meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    meta_inputs = tuple(
+        torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in example_inputs
+    )
     with fake_world(world_size):
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
         replicate = ReplicateComputation(
@@ -117,7 +120,7 @@ def inspect(
         graphs = capture_graphs(meta_model, meta_inputs)
         forward = read_schedule(graphs.forward, "forward", graphs.param_fqns)
         backward = read_schedule(graphs.backward, "backward", graphs.param_fqns)
-    compute_dtype = mp_policy.param_dtype or next(model.parameters()).dtype
+    compute_dtype = mp_policy.param_dtype or next(model.parameters(), torch.empty(0)).dtype
     prediction = simulate(forward, backward, profile, compute_dtype)
     title = title or (
         f"{type(model).__name__}, {mode}, world {world_size} (mesh {tuple(mesh_shape)}), hardware {profile.name}"
@@ -161,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
     parser.add_argument("--param-dtype", type=dtype_arg, default=torch.bfloat16, help="compute dtype (bfloat16)")
-    parser.add_argument("--reduce-dtype", type=dtype_arg, default=torch.float32, help="gradient reduction dtype (float32)")
+    parser.add_argument("--reduce-dtype", type=dtype_arg, default=torch.float32, help="gradient dtype (float32)")
     parser.add_argument("--no-reshard", dest="reshard_after_forward", action="store_false",
                         help="keep gathered parameters from forward to backward")
     parser.add_argument("--out", default=None, help="folder for the graphs, summary, timeline.svg and trace.json")
@@ -190,7 +193,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
             reshard_after_forward=args.reshard_after_forward, title=title,
         )
-    except ValueError as error:
+    except (ValueError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None
     print(report.summary(), end="")
     if args.out:

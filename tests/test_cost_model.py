@@ -32,7 +32,8 @@ def bus_bandwidth(kind: str, size: float, gpus: int, seconds: float) -> float:
 @pytest.mark.parametrize("kind, size, gpus, measured, source", PUBLISHED)
 def test_h100_collectives_match_published_nccl_bandwidth(kind, size, gpus, measured, source):
     predicted = bus_bandwidth(kind, size, gpus, collective_seconds(kind, size, tuple(range(gpus)), H100))
-    print(f"{kind} {size / GiB:.0f} GiB on {gpus} GPUs: predicted {predicted:.0f} GB/s, published {measured} ({source})")
+    print(f"{kind} {size / GiB:.0f} GiB on {gpus} GPUs: predicted {predicted:.0f} GB/s, "
+          f"published {measured} ({source})")
     assert abs(predicted - measured) / measured <= 0.30
 
 

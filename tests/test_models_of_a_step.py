@@ -24,7 +24,10 @@ def test_memory_liveness_counts_saved_tensors_tangents_and_gradients():
     forward = schedule(
         "forward",
         [GraphInput("w", 1000, param_fqn="w")],
-        [compute("a", ["w"], 100), compute("b", ["a"], 200), compute("v", ["b"], alias_of="b"), compute("c", ["v"], 50)],
+        [
+            compute("a", ["w"], 100), compute("b", ["a"], 200), compute("v", ["b"], alias_of="b"),
+            compute("c", ["v"], 50),
+        ],
         outputs=["c", "b"],
     )
     backward = schedule(

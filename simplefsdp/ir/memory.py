@@ -7,7 +7,8 @@ forward's own results (e.g. logits) live until the backward starts, when their
 gradients (``tangents_*``) arrive. Parameter shards, other graph inputs and the
 backward's outputs (sharded gradients) are held for the whole step.
 
-Categories: ``sharded_params`` (parameter shards), ``unsharded_params``
+Categories: ``sharded_params`` (the parameters each rank keeps: shards, or
+whole parameters in replicate mode), ``unsharded_params``
 (all-gather outputs), ``gradients`` (reduce-scatter / all-reduce outputs and the
 gradients the backward returns), ``comm_buffers`` (tensors made only to feed a
 collective, e.g. a shard cast to the compute dtype) and ``activations``.
@@ -27,7 +28,10 @@ CATEGORIES = ("sharded_params", "unsharded_params", "gradients", "comm_buffers",
 
 @dataclass
 class MemoryProfile:
-    """Peak bytes per rank and its split by category; ``curve`` holds live bytes after each node (forward, then backward)."""
+    """Peak bytes per rank and its split by category.
+
+    ``curve`` holds the live bytes after each node, forward then backward.
+    """
 
     peak_bytes: int
     peak_at: str

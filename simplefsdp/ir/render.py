@@ -41,7 +41,8 @@ def collective_rows(schedules: list[Schedule], prediction: Prediction, hardware:
             collective = node.collective
             rows.append(dict(
                 phase=schedule.phase, kind=collective.kind, bucket=f"{schedule.phase[0]}{index}",
-                module=node.fqn or "(top)", group=collective.group_size, dtype=str(collective.dtype).removeprefix("torch."),
+                module=node.fqn or "(top)", group=collective.group_size,
+                dtype=str(collective.dtype).removeprefix("torch."),
                 bytes=as_number(collective.bytes), time=collective_time(collective, hardware),
                 stall=prediction.stall(schedule.phase, node.name), name=node.name,
             ))
