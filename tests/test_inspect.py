@@ -47,6 +47,13 @@ def test_fully_shard_gathers_every_parameter_and_reduce_scatters_every_gradient(
     assert wq.collective.dtype == torch.bfloat16
 
 
+def test_attention_is_traced_as_the_fused_kernel(fully_sharded):
+    ops = {node.op for schedule in fully_sharded.schedules for node in schedule.nodes}
+    assert "aten._scaled_dot_product_flash_attention.default" in ops
+    assert "aten._scaled_dot_product_flash_attention_backward.default" in ops
+    assert "aten.bmm.default" not in ops  # no unfused attention matmuls
+
+
 def test_schedule_dag_links_each_wait_to_its_collective(fully_sharded):
     for schedule in fully_sharded.schedules:
         assert nx.is_directed_acyclic_graph(schedule.dag)

@@ -10,8 +10,9 @@ stay separate; collectives, matmuls, attention and their order are as Inductor
 receives them. On meta tensors the run allocates nothing.
 
 Private PyTorch details used here, and only here: AOTAutograd's input
-descriptors (``node.meta["desc"]``) to name parameter placeholders, and its
-``_boxed_call`` marker for callables that free their inputs early.
+descriptors (``node.meta["desc"]``) to name parameter placeholders, its
+``_boxed_call`` marker for callables that free their inputs early, and the
+``aten._scaled_dot_product_flash_attention`` op.
 """
 
 from __future__ import annotations
