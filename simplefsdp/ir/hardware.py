@@ -1,0 +1,263 @@
+"""Hardware profiles: plain numbers the cost model prices a schedule with.
+
+A profile is data. ``h100`` and ``a100`` are datasheet figures with the
+efficiency NCCL and cuBLAS reach in practice; ``cpu`` is measured on the machine
+it runs on (a short matmul, copy and gloo benchmark) and cached under
+``~/.cache/simplefsdp/``. Write your own cluster as ``HardwareProfile(...)`` or as
+a JSON file with the same fields and pass its path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """What one accelerator and its links sustain. Bandwidths in bytes/s, latencies in seconds.
+
+    ``flops_per_s`` maps a dtype name (``"bfloat16"``, ``"float32"``) to the dense
+    matmul rate actually reached. ``intra_node_bandwidth`` is the NCCL bus bandwidth
+    between accelerators of one node, ``inter_node_bandwidth`` that of one
+    accelerator's network link. ``kernel_overhead`` is the fixed cost of launching
+    one kernel; ``dispatch_overhead`` the host's cost of every graph node, views
+    included (0 where the host runs ahead of the device, as on GPUs);
+    ``collective_latency`` the cost of starting one collective.
+    """
+
+    name: str
+    flops_per_s: dict[str, float]
+    memory_bandwidth: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    intra_node_latency: float
+    inter_node_latency: float
+    collective_latency: float
+    kernel_overhead: float
+    dispatch_overhead: float
+    devices_per_node: int
+    memory_capacity: int
+
+    def matmul_rate(self, dtype: torch.dtype) -> float:
+        """FLOP/s for ``dtype``; dtypes without an entry run at the ``float32`` rate."""
+        name = str(dtype).removeprefix("torch.")
+        return self.flops_per_s.get(name, self.flops_per_s["float32"])
+
+    def to_json(self) -> str:
+        """The profile as JSON, readable back by ``load_profile``."""
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+# NVIDIA H100 SXM5 80GB: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no TF32), 3.35 TB/s HBM3
+# (datasheet); ~75% of matmul peak and ~80% of HBM bandwidth are what large kernels reach.
+# NVLink 4 is 450 GB/s per direction; NCCL's effective bus bandwidth over it is ~370 GB/s
+# (NVIDIA, github.com/NVIDIA/nccl-tests/issues/212). One 400 Gb/s NDR NIC per GPU gives
+# 46-48 GB/s through NCCL (NVIDIA, github.com/NVIDIA/nccl-tests/issues/290).
+H100 = HardwareProfile(
+    name="h100",
+    flops_per_s={"bfloat16": 0.75 * 989e12, "float16": 0.75 * 989e12, "float32": 0.75 * 67e12},
+    memory_bandwidth=0.8 * 3.35e12,
+    intra_node_bandwidth=370e9,
+    inter_node_bandwidth=47e9,
+    intra_node_latency=1e-6,
+    inter_node_latency=4e-6,
+    collective_latency=10e-6,
+    kernel_overhead=2e-6,
+    dispatch_overhead=0.0,
+    devices_per_node=8,
+    memory_capacity=80 * 2**30,
+)
+
+# NVIDIA A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 TFLOP/s fp32, 2.04 TB/s HBM2e; NVLink 3
+# at 300 GB/s per direction (~230 GB/s NCCL bus bandwidth), one 200 Gb/s HDR NIC per GPU.
+A100 = HardwareProfile(
+    name="a100",
+    flops_per_s={"bfloat16": 0.75 * 312e12, "float16": 0.75 * 312e12, "float32": 0.75 * 19.5e12},
+    memory_bandwidth=0.8 * 2.04e12,
+    intra_node_bandwidth=230e9,
+    inter_node_bandwidth=23e9,
+    intra_node_latency=1.5e-6,
+    inter_node_latency=5e-6,
+    collective_latency=12e-6,
+    kernel_overhead=3e-6,
+    dispatch_overhead=0.0,
+    devices_per_node=8,
+    memory_capacity=80 * 2**30,
+)
+
+BUILT_IN = {"h100": H100, "a100": A100}
+PROFILE_NAMES = (*BUILT_IN, "cpu")
+CACHE_DIR = Path(os.environ.get("SIMPLEFSDP_CACHE", Path.home() / ".cache" / "simplefsdp"))
+
+
+def get_profile(hardware: str | HardwareProfile) -> HardwareProfile:
+    """A profile by name (``h100``, ``a100``, ``cpu``), from a JSON file path, or ``hardware`` itself.
+
+    An unknown name raises ``ValueError`` naming the known ones.
+    """
+    if isinstance(hardware, HardwareProfile):
+        return hardware
+    if hardware in BUILT_IN:
+        return BUILT_IN[hardware]
+    if hardware == "cpu":
+        return cpu_profile()
+    if str(hardware).endswith(".json") and Path(hardware).is_file():
+        return load_profile(Path(hardware))
+    raise ValueError(
+        f"unknown hardware profile {hardware!r}; use one of {', '.join(PROFILE_NAMES)} "
+        "or the path of a JSON file with HardwareProfile's fields"
+    )
+
+
+def load_profile(path: Path) -> HardwareProfile:
+    """Read a profile written by ``HardwareProfile.to_json``."""
+    return HardwareProfile(**json.loads(Path(path).read_text()))
+
+
+def cpu_profile(refresh: bool = False) -> HardwareProfile:
+    """The ``cpu`` profile of this machine: cached, else measured now (about ten seconds) and cached.
+
+    The cache is keyed by host, core count and torch version; ``refresh`` measures again.
+    """
+    key = f"{platform.node()}-{os.cpu_count()}cores-torch{torch.__version__}".replace(os.sep, "_")
+    path = CACHE_DIR / f"cpu-{key}.json"
+    if path.is_file() and not refresh:
+        return load_profile(path)
+    profile = measure_cpu_profile()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+    return profile
+
+
+def measure_cpu_profile() -> HardwareProfile:
+    """Measure this CPU as a 2-rank gloo job uses it: two local processes, each with half the cores.
+
+    See ``measure_cpu_profile_in_group`` for what is measured.
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(_measuring_rank, args=(folder,), nprocs=2, start_method="spawn")
+        return load_profile(Path(folder, "profile.json"))
+
+
+def measure_cpu_profile_in_group() -> HardwareProfile:
+    """The ``cpu`` profile measured by this rank of a running gloo group; every rank must call it.
+
+    Matmul FLOP/s per dtype, copy bandwidth and per-node overhead with this
+    process's thread count, then the latency and bandwidth of all-gathers
+    between the group's ranks (alpha-beta fit of a small and a large message).
+    """
+    rates = {name: _matmul_rate(dtype) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    bandwidth, dispatch = _copy_bandwidth(), _dispatch_overhead()
+    latency, gloo_bandwidth = _gloo_alpha_beta()
+    return HardwareProfile(
+        name="cpu",
+        flops_per_s=rates,
+        memory_bandwidth=bandwidth,
+        intra_node_bandwidth=gloo_bandwidth,
+        inter_node_bandwidth=gloo_bandwidth,
+        intra_node_latency=0.0,
+        inter_node_latency=0.0,
+        collective_latency=latency,
+        kernel_overhead=0.0,
+        dispatch_overhead=dispatch,
+        devices_per_node=os.cpu_count() or 1,
+        memory_capacity=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+    )
+
+
+def _measuring_rank(rank: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    store = dist.FileStore(os.path.join(folder, "store"), 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
+    profile = measure_cpu_profile_in_group()
+    if rank == 0:
+        Path(folder, "profile.json").write_text(profile.to_json())
+    dist.destroy_process_group()
+
+
+def _median_seconds(fn, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _matmul_rate(dtype: torch.dtype) -> float:
+    """Median FLOP/s of linear-layer matmuls (``x @ w.T``) of 256 to 1024 wide: what small models run."""
+    rates = []
+    for size in (256, 512, 1024):
+        x = torch.randn(512, size, dtype=dtype)
+        w = torch.randn(2 * size, size, dtype=dtype)
+        rates.append(2 * 512 * size * 2 * size / _median_seconds(lambda: torch.mm(x, w.t())))
+    return statistics.median(rates)
+
+
+def _copy_bandwidth(numel: int = 1 << 23) -> float:
+    source, target = torch.randn(numel), torch.empty(numel)
+    return 2 * source.nbytes / _median_seconds(lambda: target.copy_(source))
+
+
+def _tiny_ops(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(100):
+        x = (x + 1).view(-1)
+    return x
+
+
+def _dispatch_overhead() -> float:
+    """Seconds per node of running a graph of tiny ops the way ``simplefsdp.ir.capture`` runs graphs."""
+    from torch import fx
+
+    from simplefsdp.ir.capture import run_boxed
+
+    gm = fx.symbolic_trace(_tiny_ops)
+    run = run_boxed(gm)
+    nodes = sum(1 for node in gm.graph.nodes if node.op == "call_function" or node.op == "call_method")
+    return _median_seconds(lambda: run([torch.ones(8)])) / nodes
+
+
+_GLOO_SIZES = (1 << 12, 1 << 22)  # bytes per all-gather output
+
+
+def _gloo_alpha_beta() -> tuple[float, float]:
+    """(latency s, bus bandwidth B/s) of all-gathers in the default group, fitted to a small and a large message.
+
+    Each all-gather follows a short matmul, as in a training step, so the latency
+    includes the ranks drifting apart between collectives; the matmul's own time
+    is measured alone and subtracted.
+    """
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size()
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    compute = _median_seconds(lambda: torch.mm(a, b), repeats=9)
+    times = []
+    for size in _GLOO_SIZES:
+        shard = torch.ones(size // 4 // ranks, dtype=torch.float32)
+        output = torch.empty(size // 4, dtype=torch.float32)
+
+        def step() -> None:
+            torch.mm(a, b)
+            dist.all_gather_into_tensor(output, shard)
+
+        times.append(_median_seconds(step, repeats=15) - compute)
+    bus_fraction = (ranks - 1) / ranks  # a ring all-gather moves this share of the output through each rank
+    small, large = times
+    bandwidth = bus_fraction * (_GLOO_SIZES[1] - _GLOO_SIZES[0]) / max(large - small, 1e-9)
+    return max(small - bus_fraction * _GLOO_SIZES[0] / bandwidth, 0.0), bandwidth

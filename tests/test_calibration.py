@@ -1,0 +1,102 @@
+"""The ``cpu`` profile against reality: cpu-small on 2 gloo ranks, predicted vs measured step time and peak memory.
+
+The profile is measured by the same two processes just before and just after
+they time the steps (the mean of the two is used), so prediction and
+measurement see the same share of this shared, busy machine.
+
+The measured run compiles with ``fx_backend()``: the same AOTAutograd forward and
+backward graphs that ``inspect`` prices, run as plain FX (Inductor's C++ code
+generation would cost minutes of test time on this machine). A step is one
+forward and one backward with a gradient of ones for the logits, as traced.
+Peak memory is the highest "Total Allocated" of the CPU allocator's
+``torch.profiler`` memory events during one step, plus what the step starts
+with (parameter shards, buffers, tokens).
+"""
+
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import ProfilerActivity, profile
+
+import simplefsdp
+from ranks import run_on_ranks
+from simplefsdp.ir.capture import fx_backend
+from simplefsdp.ir.hardware import HardwareProfile, measure_cpu_profile_in_group
+from simplefsdp.ir.render import format_bytes, format_seconds
+from simplefsdp.models.llama import build_model
+from simplefsdp.runtime.replicate_compute import ReplicateComputation
+from simplefsdp.runtime.sharding import shard_parameters
+
+BATCH, SEQ, STEPS = 4, 128, 10
+
+
+def step(model, tokens):
+    logits = model(tokens)
+    torch.autograd.backward(logits, torch.ones_like(logits))
+
+
+def measure_rank() -> tuple[HardwareProfile, float, int]:
+    """On one gloo rank: the cpu profile measured just before, median step seconds, peak bytes."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # two ranks share this machine's cores
+    before = measure_cpu_profile_in_group()  # calibrate in the same processes, around the timed steps
+    torch.manual_seed(0)
+    model = build_model("cpu-small")
+    # compile_sharded's own steps, minus its cross-rank model check (all_gather_object needs numpy, absent here)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+    shard_parameters(model, mesh, "fully_shard", ReplicateComputation(None, None, reshard_after_forward=True))
+    model.compile(backend=fx_backend())
+    tokens = torch.randint(0, 256, (BATCH, SEQ))
+    times = []
+    for _ in range(STEPS):
+        start = time.perf_counter()
+        step(model, tokens)
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    held = sum(p.to_local().nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers()) + tokens.nbytes
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(model, tokens)
+    with tempfile.TemporaryDirectory() as folder:
+        trace = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as file:
+            events = json.load(file)["traceEvents"]
+    peak = max(event["args"]["Total Allocated"] for event in events if event.get("name") == "[memory]")
+    return average_profile(before, measure_cpu_profile_in_group()), statistics.median(times[1:]), held + peak
+
+
+def average_profile(first: HardwareProfile, second: HardwareProfile) -> HardwareProfile:
+    """The field-by-field mean of two measurements of the same machine."""
+    fields = {}
+    for name, value in dataclasses.asdict(first).items():
+        other = getattr(second, name)
+        if isinstance(value, dict):
+            fields[name] = {key: (value[key] + other[key]) / 2 for key in value}
+        elif isinstance(value, float):
+            fields[name] = (value + other) / 2
+        else:
+            fields[name] = value
+    return HardwareProfile(**fields)
+
+
+def test_cpu_profile_predicts_cpu_small_on_two_gloo_ranks():
+    with torch.device("meta"):
+        model = build_model("cpu-small")
+    measured = run_on_ranks(2, measure_rank)
+    hardware = measured[0][0]
+    report = simplefsdp.inspect(model, (torch.zeros(BATCH, SEQ, dtype=torch.long),), world_size=2, hardware=hardware)
+    step_time = statistics.median(seconds for _, seconds, _ in measured)
+    peak = max(bytes_ for _, _, bytes_ in measured)
+    predicted_time, predicted_peak = report.prediction.step_time, report.prediction.memory.peak_bytes
+    print(
+        f"\ncpu-small, 2 gloo ranks, {BATCH}x{SEQ} tokens per rank: step predicted {format_seconds(predicted_time)}, "
+        f"measured median {format_seconds(step_time)} (ratio {predicted_time / step_time:.2f}); peak memory "
+        f"predicted {format_bytes(predicted_peak)}, measured {format_bytes(peak)} (ratio {predicted_peak / peak:.2f})"
+    )
+    assert 1 / 1.5 <= predicted_time / step_time <= 1.5
+    assert abs(predicted_peak - peak) <= 0.25 * peak

@@ -1,0 +1,50 @@
+"""Llama 3 8B shapes traced at world size 8 on meta tensors: sharded parameter bytes and step FLOPs.
+
+Two of the 32 transformer blocks keep the test to seconds; every block is the
+same, so the per-block and head/tail figures are those of the full model (the
+32-block CLI run is recorded in benchmarks/inspect.md).
+"""
+
+import pytest
+import torch
+
+import simplefsdp
+from simplefsdp.models.llama import build_model, get_config
+from simplefsdp.runtime.mixed_precision import MixedPrecision
+
+LAYERS, SEQ, WORLD = 2, 8192, 8
+
+
+@pytest.fixture(scope="module")
+def traced():
+    with torch.device("meta"):
+        model = build_model("llama3-8b", n_layers=LAYERS)
+    report = simplefsdp.inspect(
+        model, (torch.zeros(1, SEQ, dtype=torch.long),), world_size=WORLD, hardware="h100",
+        mp_policy=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
+    return model, report
+
+
+def test_sharded_parameter_bytes_are_params_times_dtype_size_over_world(traced):
+    model, report = traced
+    params = sum(p.numel() for p in model.parameters())
+    # every Llama 3 8B dimension (4096, 1024, 14336, 128256) divides by 8: no padding
+    assert report.sharded_param_bytes == params * 4 // WORLD
+    assert report.prediction.memory.peak_by_category["sharded_params"] == params * 4 // WORLD
+
+
+def test_step_flops_are_six_params_tokens_plus_attention(traced):
+    """FLOPs per rank per step = 6 * N * T + 14 * L * B * S^2 * dim, within 5%.
+
+    N: parameters that take part in matmuls (all but the token embedding, a lookup);
+    T = B * S tokens. Attention: flash forward = 2 matmuls of 2*B*H*S^2*D FLOPs
+    (flop_counter does not discount the causal mask), backward = 5 (it recomputes
+    Q K^T), so 14 * B * S^2 * (H * D) per layer with H * D = dim.
+    """
+    model, report = traced
+    config = get_config("llama3-8b")
+    matmul_params = sum(p.numel() for p in model.parameters()) - model.tok_embeddings.weight.numel()
+    tokens = 1 * SEQ
+    expected = 6 * matmul_params * tokens + 14 * LAYERS * 1 * SEQ**2 * config.dim
+    assert abs(report.flops - expected) <= 0.05 * expected
