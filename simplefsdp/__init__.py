@@ -1,6 +1,10 @@
 """simplefsdp: Fully Sharded Data Parallel compiled by ``torch.compile``."""
 
 from simplefsdp.api import compile_sharded
+from simplefsdp.runtime.clip_grad import clip_grad_norm_
 from simplefsdp.runtime.mixed_precision import MixedPrecision
+from simplefsdp.runtime.object_collectives import install_numpy_free_object_collectives
 
-__all__ = ["compile_sharded", "MixedPrecision"]
+install_numpy_free_object_collectives()
+
+__all__ = ["compile_sharded", "MixedPrecision", "clip_grad_norm_"]

@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.runtime.compile import check_compile_options, compile_in_place
+from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
@@ -37,7 +38,9 @@ def compile_sharded(
 
     ``mode``: ``"fully_shard"`` (1-D mesh, ZeRO-3), ``"replicate"`` (1-D mesh, DDP-like) or
     ``"hybrid_shard"`` (2-D ``(replicate, shard)`` mesh). ``mesh`` defaults to the whole world.
-    Returns the same module. Called without ``model`` it returns a decorator.
+    Returns the same module, with FSDP2's ``set_requires_gradient_sync(flag)`` and a
+    ``no_sync()`` context manager for gradient accumulation without communication.
+    Called without ``model`` it returns a decorator.
     Every argument is checked before any collective runs.
     """
     options = dict(
@@ -70,6 +73,7 @@ def compile_sharded(
         reshard_after_forward=reshard_after_forward and mode != "replicate",
     )
     shard_parameters(model, mesh, mode, replicate)
+    add_gradient_sync_methods(model, replicate.sync)
     if compile:
         compile_in_place(model, backend, compile_options)
     return model

@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
+from simplefsdp.runtime.grad_sync import drop_pending_after_reduction, new_accumulator
 from simplefsdp.runtime.replicate_compute import ReplicateComputation, install_getters
 
 
@@ -69,17 +70,22 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
     """Replace each parameter by a DTensor parameter placed for ``mode`` and install the gathering getters.
 
     Values come from the mesh's first rank. A parameter shared by several modules
-    (tied weights) becomes one DTensor shared by the same modules.
+    (tied weights) becomes one DTensor shared by the same modules, with one
+    accumulator for gradients held back while sync is off.
     """
     placements = param_placements(mode)
-    sharded: dict[int, nn.Parameter] = {}
+    sharded: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
     for submodule in module.modules():
-        names = [name for name, param in submodule._parameters.items() if param is not None]
-        for name in names:
-            param = submodule._parameters[name]
+        accumulators = {}
+        for name, param in submodule._parameters.items():
+            if param is None:
+                continue
             if id(param) not in sharded:
                 dtensor = distribute_tensor(param.detach(), mesh, placements)
-                sharded[id(param)] = nn.Parameter(dtensor, requires_grad=param.requires_grad)
-            submodule._parameters[name] = sharded[id(param)]
-        if names:
-            install_getters(submodule, names, replicate)
+                new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+                accumulator = new_accumulator(param, mesh.device_type)
+                drop_pending_after_reduction(new_param, accumulator)
+                sharded[id(param)] = (new_param, accumulator)
+            submodule._parameters[name], accumulators[name] = sharded[id(param)]
+        if accumulators:
+            install_getters(submodule, accumulators, replicate)
