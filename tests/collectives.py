@@ -6,13 +6,16 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
+from torch.utils._pytree import tree_leaves
 
 COLLECTIVES = ("all_gather", "allgather", "reduce_scatter", "all_reduce", "allreduce", "broadcast", "all_to_all")
 
 
 class CountCollectives(TorchDispatchMode):
-    """Counts every ``_c10d_functional`` / ``c10d`` collective op dispatched while active, by op name."""
+    """Counts the collective ops on floating-point data dispatched while active, by op name.
+
+    Object collectives (pickled bytes, e.g. DCP's planning) are not counted.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -20,10 +23,10 @@ class CountCollectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         namespace, _, name = func.name().partition("::")
-        if namespace in ("_c10d_functional", "c10d") and name.startswith(COLLECTIVES):
+        if namespace in ("_c10d_functional", "c10d") and name.startswith(COLLECTIVES) and _carries_floats(args):
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 
-    def reductions(self) -> int:
-        """Reduce-scatters plus all-reduces seen so far."""
-        return sum(n for name, n in self.counts.items() if "reduce" in name)
+
+def _carries_floats(args) -> bool:
+    return any(isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in tree_leaves(args))

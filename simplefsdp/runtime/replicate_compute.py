@@ -9,10 +9,13 @@ With gradient sync off (``grad_sync.py``) the gradient goes to an accumulator in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 
 import torch
+from typing import Iterator
+
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -70,9 +73,28 @@ def install_getters(
     names = list(accumulators)
     module._grad_accumulators = accumulators
     cls = module.__class__
+    module._class_without_getters = cls
     getters = {name: property(functools.partial(_read_parameter, name=name, replicate=replicate)) for name in names}
     module.__class__ = type(f"Sharded{cls.__name__}", (cls,), getters)
 
 
 def _read_parameter(module: nn.Module, name: str, replicate: ReplicateComputation) -> torch.Tensor:
     return replicate(module._parameters[name], module._grad_accumulators[name])
+
+
+@contextlib.contextmanager
+def stored_parameters(model: nn.Module) -> Iterator[None]:
+    """Inside, ``module.<name>`` is the sharded parameter itself, not a gather.
+
+    For utilities that walk attributes to find parameters (such as
+    ``torch.distributed.checkpoint.state_dict``): through the getters every
+    such read would all-gather the parameter.
+    """
+    swapped = [(module, module.__class__) for module in model.modules() if "_class_without_getters" in vars(module)]
+    for module, _ in swapped:
+        module.__class__ = module._class_without_getters
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
