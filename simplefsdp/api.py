@@ -64,9 +64,12 @@ def compile_sharded(
     check_mesh(mesh, mode)
 
     mp_policy = mp_policy or MixedPrecision()
-    model.to(mesh.device_type)
+    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    if not on_meta:  # a meta model gets its shards from materialize_sharded
+        model.to(mesh.device_type)
     check_same_model_on_all_ranks(model, mesh)
-    broadcast_buffers(model, mesh)
+    if not on_meta:
+        broadcast_buffers(model, mesh)
     replicate = ReplicateComputation(
         param_dtype=mp_policy.param_dtype,
         reduce_dtype=mp_policy.reduce_dtype,
