@@ -12,6 +12,7 @@ tracing, so ``torch.compile`` guards on them and keeps one graph per state.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
@@ -23,6 +24,7 @@ class GradientSync:
 
     def __init__(self) -> None:
         self.enabled = True
+        self.drops_registered = False
 
 
 def new_accumulator(param: torch.Tensor, device: str) -> torch.Tensor:
@@ -48,13 +50,14 @@ class _AddPending(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, value: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(pending)
+        # Kept on ctx, not saved for backward: an activation checkpoint around this would
+        # otherwise recompute it after the pending sum was consumed.
+        ctx.pending = pending
         return value.view_as(value)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (pending,) = ctx.saved_tensors
-        return (grad.to(pending.dtype) + pending).to(grad.dtype), None
+        return (grad.to(ctx.pending.dtype) + ctx.pending).to(grad.dtype), None
 
 
 def route_to_accumulator(full: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
@@ -69,13 +72,19 @@ def add_pending(full: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
     return _AddPending.apply(full, accumulator.grad)
 
 
-def drop_pending_after_reduction(param: nn.Parameter, accumulator: torch.Tensor) -> None:
-    """Clear ``accumulator``'s pending sum once ``param``'s reduced gradient has been accumulated."""
+def register_pending_drops(model: nn.Module) -> None:
+    """Clear each accumulator's pending sum once its parameter's reduced gradient has been accumulated.
 
-    def drop(_: torch.Tensor) -> None:
-        accumulator.grad = None
+    Registered when sync is first turned off, not at sharding time, so that it
+    applies to the parameters as they are then (``to_empty`` replaces their tensors).
+    """
+    for module in model.modules():
+        for name, accumulator in vars(module).get("_grad_accumulators", {}).items():
+            module._parameters[name].register_post_accumulate_grad_hook(functools.partial(_drop, accumulator))
 
-    param.register_post_accumulate_grad_hook(drop)
+
+def _drop(accumulator: torch.Tensor, _: torch.Tensor) -> None:
+    accumulator.grad = None
 
 
 class GradientSyncMethods:
@@ -90,6 +99,9 @@ class GradientSyncMethods:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Off: backwards keep full gradients locally with no communication. On: the next backward reduces all."""
+        if not requires_gradient_sync and not self._gradient_sync.drops_registered:
+            register_pending_drops(self)
+            self._gradient_sync.drops_registered = True
         self._gradient_sync.enabled = bool(requires_gradient_sync)
 
     @contextlib.contextmanager

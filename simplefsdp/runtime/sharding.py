@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from simplefsdp.runtime.grad_sync import drop_pending_after_reduction, new_accumulator
+from simplefsdp.runtime.grad_sync import new_accumulator
 from simplefsdp.runtime.replicate_compute import ReplicateComputation, install_getters
 
 
@@ -83,9 +83,7 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
             if id(param) not in sharded:
                 dtensor = distribute_tensor(param.detach(), mesh, placements)
                 new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
-                accumulator = new_accumulator(param, mesh.device_type)
-                drop_pending_after_reduction(new_param, accumulator)
-                sharded[id(param)] = (new_param, accumulator)
+                sharded[id(param)] = (new_param, new_accumulator(param, mesh.device_type))
             submodule._parameters[name], accumulators[name] = sharded[id(param)]
         if accumulators:
             install_getters(submodule, accumulators, replicate)
