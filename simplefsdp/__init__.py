@@ -1,10 +1,22 @@
 """simplefsdp: Fully Sharded Data Parallel compiled by ``torch.compile``."""
 
 from simplefsdp.api import compile_sharded
+from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
+from simplefsdp.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from simplefsdp.runtime.clip_grad import clip_grad_norm_
+from simplefsdp.runtime.meta_init import materialize_sharded
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 from simplefsdp.runtime.object_collectives import install_numpy_free_object_collectives
 
 install_numpy_free_object_collectives()
 
-__all__ = ["compile_sharded", "MixedPrecision", "clip_grad_norm_"]
+__all__ = [
+    "compile_sharded",
+    "MixedPrecision",
+    "clip_grad_norm_",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "materialize_sharded",
+    "apply_activation_checkpointing",
+]
