@@ -7,6 +7,10 @@ unreduced local gradients there across micro-batches. The next backward with
 sync on adds that sum to its own gradient before the one reduction it issues,
 then drops it. The sync flag and the presence of a pending sum are read during
 tracing, so ``torch.compile`` guards on them and keeps one graph per state.
+
+Known cost: in a micro-batch with sync off, the compiled backward keeps the
+gathered parameters from the forward instead of gathering them again (the
+partitioner does not recompute a gather whose output has no gradient path).
 """
 
 from __future__ import annotations
