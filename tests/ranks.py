@@ -28,6 +28,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn: Callable
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:
         outcome = ("ok", fn(*args))
+        dist.barrier()  # no rank tears the group down while another still communicates
     except BaseException as error:  # reported to the parent, which re-raises
         outcome = ("error", f"rank {rank}: {traceback.format_exc()}")
         raise error

@@ -54,8 +54,8 @@ class _AddPending(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, value: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
-        # Kept on ctx, not saved for backward: an activation checkpoint around this would
-        # otherwise recompute it after the pending sum was consumed.
+        # Kept on ctx, not saved for backward: under activation checkpointing this forward may
+        # be recomputed after the pending sum was dropped, and saved tensors must match.
         ctx.pending = pending
         return value.view_as(value)
 

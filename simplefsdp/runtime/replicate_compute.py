@@ -12,10 +12,9 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
-
-import torch
 from typing import Iterator
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
