@@ -23,8 +23,25 @@ def _loss(model, tokens):
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
+def _accumulate_once(model, micro_batches, use_context_manager):
+    """One accumulation cycle: sync off for all but the last micro-batch."""
+    for index, micro in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        if use_context_manager and not last:
+            with model.no_sync():
+                (_loss(model, micro) / len(micro_batches)).backward()
+        else:
+            model.set_requires_gradient_sync(last)
+            (_loss(model, micro) / len(micro_batches)).backward()
+        yield
+
+
 def _accumulate(mode, mesh_shape, backend, use_context_manager):
-    """Sharded accumulation over micro-batches vs. an unsharded model's gradient on the whole global batch."""
+    """Sharded accumulation vs. an unsharded model's gradient on the whole global batch, then collective counts.
+
+    The gradients are compared from a cycle run without the counting mode (a dispatch
+    mode can change what runs); a second cycle counts the collectives per micro-batch.
+    """
     torch.manual_seed(0)
     model = build_model("debug")
     reference = copy.deepcopy(model)
@@ -32,21 +49,20 @@ def _accumulate(mode, mesh_shape, backend, use_context_manager):
     compile_sharded(model, mode=mode, mesh=mesh, backend=backend)
     world, rank = dist.get_world_size(), dist.get_rank()
     data = torch.randint(0, 256, (world * MICRO_BATCHES * 2, 17), generator=torch.Generator().manual_seed(1))
-    reductions = []
-    for index, micro in enumerate(data.chunk(world)[rank].chunk(MICRO_BATCHES)):
-        last = index == MICRO_BATCHES - 1
-        with CountCollectives() as counter:
-            if use_context_manager and not last:
-                with model.no_sync():
-                    (_loss(model, micro) / MICRO_BATCHES).backward()
-            else:
-                model.set_requires_gradient_sync(last)
-                (_loss(model, micro) / MICRO_BATCHES).backward()
-        reductions.append(dict(counter.counts))
+    micro_batches = data.chunk(world)[rank].chunk(MICRO_BATCHES)
+    for _ in _accumulate_once(model, micro_batches, use_context_manager):
+        pass
     _loss(reference, data).backward()
     expected = dict(reference.named_parameters())
     errors = {name: (p.grad.full_tensor() - expected[name].grad).abs().max().item() for name, p in model.named_parameters()}
     scale = max(p.grad.abs().max().item() for p in reference.parameters())
+    model.zero_grad()
+    reductions = []
+    cycle = _accumulate_once(model, micro_batches, use_context_manager)
+    for _ in range(MICRO_BATCHES):
+        with CountCollectives() as counter:
+            next(cycle)
+        reductions.append(dict(counter.counts))
     return reductions, max(errors.values()) / scale
 
 

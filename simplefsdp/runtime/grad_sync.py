@@ -76,19 +76,22 @@ def add_pending(full: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
     return _AddPending.apply(full, accumulator.grad)
 
 
-def register_pending_drops(model: nn.Module) -> None:
-    """Clear each accumulator's pending sum once its parameter's reduced gradient has been accumulated.
+def register_pending_drops(model: nn.Module, sync: GradientSync) -> None:
+    """Clear each accumulator's pending sum once a backward with sync on has accumulated its parameter's gradient.
 
     Registered when sync is first turned off, not at sharding time, so that it
     applies to the parameters as they are then (``to_empty`` replaces their tensors).
+    The hooks also fire in backwards with sync off (a compiled backward runs every
+    parameter's accumulation, with no gradient), where they must keep the sum.
     """
     for module in model.modules():
         for name, accumulator in vars(module).get("_grad_accumulators", {}).items():
-            module._parameters[name].register_post_accumulate_grad_hook(functools.partial(_drop, accumulator))
+            module._parameters[name].register_post_accumulate_grad_hook(functools.partial(_drop, sync, accumulator))
 
 
-def _drop(accumulator: torch.Tensor, _: torch.Tensor) -> None:
-    accumulator.grad = None
+def _drop(sync: GradientSync, accumulator: torch.Tensor, _: torch.Tensor) -> None:
+    if sync.enabled:
+        accumulator.grad = None
 
 
 class GradientSyncMethods:
@@ -104,7 +107,7 @@ class GradientSyncMethods:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Off: backwards keep full gradients locally with no communication. On: the next backward reduces all."""
         if not requires_gradient_sync and not self._gradient_sync.drops_registered:
-            register_pending_drops(self)
+            register_pending_drops(self, self._gradient_sync)
             self._gradient_sync.drops_registered = True
         self._gradient_sync.enabled = bool(requires_gradient_sync)
 
