@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
+import sys
 import time
 
 import torch
@@ -79,7 +81,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if not is_launched_rank():
         return launch_local_ranks(args.nproc, argv)
     train(args)
-    return 0
+    # A finished rank leaves without running C++ static destructors: with PyTorch 2.13 and
+    # gloo these can abort at exit ("terminate called without an active exception"),
+    # which would turn a completed run into a failed job.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
