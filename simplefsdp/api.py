@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.runtime.compile import check_compile_options, compile_in_place
+from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
@@ -37,7 +38,9 @@ def compile_sharded(
 
     ``mode``: ``"fully_shard"`` (1-D mesh, ZeRO-3), ``"replicate"`` (1-D mesh, DDP-like) or
     ``"hybrid_shard"`` (2-D ``(replicate, shard)`` mesh). ``mesh`` defaults to the whole world.
-    Returns the same module. Called without ``model`` it returns a decorator.
+    Returns the same module, with FSDP2's ``set_requires_gradient_sync(flag)`` and a
+    ``no_sync()`` context manager for gradient accumulation without communication.
+    Called without ``model`` it returns a decorator.
     Every argument is checked before any collective runs.
     """
     if mode not in MODES:
@@ -60,9 +63,12 @@ def compile_sharded(
     check_mesh(mesh, mode)
 
     mp_policy = mp_policy or MixedPrecision()
-    model.to(mesh.device_type)
+    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    if not on_meta:  # a meta model gets its shards from materialize_sharded
+        model.to(mesh.device_type)
     check_same_model_on_all_ranks(model, mesh)
-    broadcast_buffers(model, mesh)
+    if not on_meta:
+        broadcast_buffers(model, mesh)
     replicate = ReplicateComputation(
         param_dtype=mp_policy.param_dtype,
         reduce_dtype=mp_policy.reduce_dtype,
@@ -71,6 +77,7 @@ def compile_sharded(
     shard_parameters(model, mesh, mode, replicate)
     if mp_policy.param_dtype is not None:
         cast_floating_inputs(model, mp_policy.param_dtype)
+    add_gradient_sync_methods(model, replicate.sync)
     if compile:
         compile_in_place(model, backend, compile_options)
     return model

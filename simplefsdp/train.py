@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
+import sys
 import time
 
 import torch
@@ -13,9 +15,14 @@ import torch.nn.functional as F
 
 from simplefsdp.api import compile_sharded
 from simplefsdp.data import load_tokens, rank_batch
+from simplefsdp.mfu import peak_flops_per_second, training_flops_per_token
 from simplefsdp.models.llama import CONFIGS, build_model
+from simplefsdp.runtime.activation_checkpoint import AC_MODES, apply_activation_checkpointing
+from simplefsdp.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from simplefsdp.runtime.clip_grad import clip_grad_norm_
 from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks
 from simplefsdp.runtime.mesh import MODES, init_distributed
+from simplefsdp.runtime.meta_init import materialize_sharded
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 
 
@@ -24,12 +31,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--nproc", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
     parser.add_argument("--model", default="cpu-small", choices=sorted(CONFIGS))
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--steps", type=int, default=20, help="train until this step (counting resumed steps)")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per micro-batch")
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step; gradients reduce once")
+    parser.add_argument("--max-norm", type=float, default=None, help="clip the total gradient norm to this value")
     parser.add_argument("--mode", default="fully_shard", choices=MODES)
     parser.add_argument("--param-dtype", type=dtype_arg, default=None, help="float32, bfloat16 or float16")
     parser.add_argument("--reduce-dtype", type=dtype_arg, default=None, help="float32, bfloat16 or float16")
+    parser.add_argument("--activation-checkpointing", default="none", choices=AC_MODES, help="per transformer block")
+    parser.add_argument("--init-on-meta", action="store_true", help="build on meta, allocate and initialize shards only")
+    parser.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints (DCP) here")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps; the last step always")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     parser.add_argument("--data", default=None, help="a text file (byte tokens); synthetic tokens when absent")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -38,14 +52,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Exit with a message naming the bad option and the fix; runs before any rank starts."""
+    for option in ("nproc", "steps", "batch_size", "seq_len", "grad_accum"):
+        if getattr(args, option) < 1:
+            fail(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
+    if args.checkpoint_every < 0:
+        fail(f"--checkpoint-every must be 0 (only the last step) or positive, got {args.checkpoint_every}")
+    if args.max_norm is not None and args.max_norm <= 0:
+        fail(f"--max-norm must be positive, got {args.max_norm}; leave it out to train without clipping")
+    if args.resume and args.checkpoint_dir is None:
+        fail("--resume needs --checkpoint-dir DIR, the directory the earlier run saved into")
+    if args.resume and latest_checkpoint(args.checkpoint_dir) is None:
+        fail(f"--resume: no checkpoint to resume from in {args.checkpoint_dir} "
+             "(the directory does not exist or holds no complete step-* checkpoint)")
+    if args.activation_checkpointing == "full" and args.compile and args.backend != "eager":
+        fail("--activation-checkpointing full fails inside PyTorch 2.13's AOTAutograd on sharded blocks; "
+             "use --activation-checkpointing selective, or --no-compile")
+
+
+def fail(message: str) -> None:
+    raise SystemExit(f"simplefsdp train: {message}")
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Train on this process when launched by torchrun, else launch ``--nproc`` local ranks."""
-    if args.nproc < 1 or args.steps < 1 or args.batch_size < 1 or args.seq_len < 1:
-        raise SystemExit("simplefsdp train: --nproc, --steps, --batch-size and --seq-len must be at least 1")
+    check_arguments(args)
     if not is_launched_rank():
         return launch_local_ranks(args.nproc, argv)
     train(args)
-    return 0
+    # A finished rank leaves without running C++ static destructors: with PyTorch 2.13 and
+    # gloo these can abort at exit ("terminate called without an active exception"),
+    # which would turn a completed run into a failed job.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def build(args: argparse.Namespace) -> torch.nn.Module:
+    """The sharded model, initialized from ``--seed`` the same way with or without ``--init-on-meta``."""
+    with torch.device("meta" if args.init_on_meta else "cpu"):
+        model = build_model(args.model)
+    if not args.init_on_meta:
+        torch.manual_seed(args.seed)
+        model.init_weights()
+    apply_activation_checkpointing(model.layers, args.activation_checkpointing)
+    compile_sharded(
+        model, mode=args.mode, mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
+        compile=args.compile, backend=args.backend,
+    )
+    if args.init_on_meta:
+        torch.manual_seed(args.seed)
+        materialize_sharded(model)
+    return model
 
 
 def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -58,45 +117,69 @@ def train(args: argparse.Namespace) -> None:
     """The training loop of one rank; rank 0 prints progress and a closing summary."""
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(args.seed)
-    model = build_model(args.model)
+    model = build(args)
     num_params = sum(p.numel() for p in model.parameters())
-    compile_sharded(
-        model, mode=args.mode, mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
-        compile=args.compile, backend=args.backend,
-    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     tokens = load_tokens(args.data, args.seed)
     device = next(model.parameters()).device
     say = print if rank == 0 else (lambda *_, **__: None)
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    flops_per_step = training_flops_per_token(model.config, num_params, args.seq_len) * tokens_per_step
+    peak = peak_flops_per_second(device.type)
     say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params) on {world} rank(s), mode {args.mode}, "
-        f"{args.batch_size}x{args.seq_len} tokens per rank per step")
+        f"{args.grad_accum} x {args.batch_size}x{args.seq_len} tokens per rank per step")
 
-    step_times, losses = [], []
-    for step in range(1, args.steps + 1):
-        batch = rank_batch(tokens, step, args.batch_size, args.seq_len, args.seed, rank, world).to(device)
-        start = time.perf_counter()
-        loss = next_token_loss(model, batch)
-        loss.backward()
+    start = 0
+    if args.resume:
+        path = latest_checkpoint(args.checkpoint_dir)
+        try:
+            start = load_checkpoint(path, model, optimizer)
+        except ValueError as error:
+            fail(str(error))
+        say(f"resumed from {path} at step {start}")
+
+    step_times, losses, mfus = [], [], []
+    for step in range(start + 1, args.steps + 1):
+        batch = rank_batch(tokens, step, args.batch_size * args.grad_accum, args.seq_len, args.seed, rank, world)
+        micro_batches = batch.to(device).chunk(args.grad_accum)
+        begin = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        for index, micro in enumerate(micro_batches):
+            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            loss = next_token_loss(model, micro) / args.grad_accum
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_note = ""
+        if args.max_norm is not None:
+            grad_note = f"  grad norm {clip_grad_norm_(model, args.max_norm).item():.3f}"
         optimizer.step()
         optimizer.zero_grad()
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        losses.append(global_loss.item() / world)
-        step_times.append(time.perf_counter() - start)
-        tokens_per_s = args.batch_size * args.seq_len * world / step_times[-1]
-        note = "  (includes compilation)" if step == 1 else ""
-        say(f"step {step:4d}/{args.steps}  loss {losses[-1]:.4f}  {tokens_per_s:10,.0f} tok/s  "
-            f"{step_times[-1]:.3f} s{note}", flush=True)
+        dist.all_reduce(loss_sum)
+        losses.append(loss_sum.item() / world)
+        step_times.append(time.perf_counter() - begin)
+        mfus.append(flops_per_step / step_times[-1] / (peak * world) if peak else float("nan"))
+        note = "  (includes compilation)" if len(step_times) == 1 and args.compile else ""
+        say(f"step {step:4d}/{args.steps}  loss {losses[-1]:.4f}  {tokens_per_step / step_times[-1]:10,.0f} tok/s  "
+            f"MFU {mfus[-1]:6.2%}  {step_times[-1]:.3f} s{grad_note}{note}", flush=True)
+        if args.checkpoint_dir and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
+            say(f"saved {save_checkpoint(args.checkpoint_dir, step, model, optimizer)}", flush=True)
 
-    steady = step_times[1:] or step_times
-    median = statistics.median(steady)
+    if step_times:
+        summarize(say, args, start, losses, step_times, mfus, tokens_per_step, world)
+    else:
+        say(f"summary: the checkpoint is already at step {start} >= --steps {args.steps}; nothing to train")
+    dist.destroy_process_group()
+
+
+def summarize(say, args, start, losses, step_times, mfus, tokens_per_step, world) -> None:
+    """Rank 0's closing line: loss change, compile time, median step time, throughput, MFU and memory."""
+    steady = slice(1, None) if len(step_times) > 1 else slice(None)
+    median = statistics.median(step_times[steady])
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     say(
         "summary: "
-        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps; "
-        f"first step {step_times[0]:.1f} s (compilation); median step {median:.3f} s; "
-        f"{args.batch_size * args.seq_len * world / median:,.0f} tok/s total, "
-        f"{args.batch_size * args.seq_len / median:,.0f} tok/s per rank; peak RSS rank 0 {peak_rss_mib:,.0f} MiB"
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start + 1}-{args.steps}; "
+        f"first step {step_times[0]:.1f} s; median step {median:.3f} s; "
+        f"{tokens_per_step / median:,.0f} tok/s total, {tokens_per_step / world / median:,.0f} tok/s per rank; "
+        f"MFU {statistics.median(mfus[steady]):.2%}; peak RSS rank 0 {peak_rss_mib:,.0f} MiB"
     )
-    dist.destroy_process_group()

@@ -28,6 +28,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn: Callable
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:
         outcome = ("ok", fn(*args))
+        dist.barrier()  # no rank tears the group down while another still communicates
     except BaseException as error:  # reported to the parent, which re-raises
         outcome = ("error", f"rank {rank}: {traceback.format_exc()}")
         raise error
@@ -35,6 +36,9 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn: Callable
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as file:
             pickle.dump(outcome, file)
         dist.destroy_process_group()
+    # Skip C++ static destructors, which can abort at exit with PyTorch 2.13 and gloo
+    # ("terminate called without an active exception") after the rank's work is done.
+    os._exit(0)
 
 
 def run_on_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:

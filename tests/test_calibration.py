@@ -21,7 +21,6 @@ import tempfile
 import time
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
 import simplefsdp
@@ -30,8 +29,6 @@ from simplefsdp.ir.capture import fx_backend
 from simplefsdp.ir.hardware import HardwareProfile, measure_cpu_profile_in_group
 from simplefsdp.ir.render import format_bytes, format_seconds
 from simplefsdp.models.llama import build_model
-from simplefsdp.runtime.replicate_compute import ReplicateComputation
-from simplefsdp.runtime.sharding import shard_parameters
 
 BATCH, SEQ, STEPS = 4, 128, 10
 
@@ -47,10 +44,7 @@ def measure_rank() -> tuple[HardwareProfile, float, int]:
     before = measure_cpu_profile_in_group()  # calibrate in the same processes, around the timed steps
     torch.manual_seed(0)
     model = build_model("cpu-small")
-    # compile_sharded's own steps, minus its cross-rank model check (all_gather_object needs numpy, absent here)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
-    shard_parameters(model, mesh, "fully_shard", ReplicateComputation(None, None, reshard_after_forward=True))
-    model.compile(backend=fx_backend())
+    simplefsdp.compile_sharded(model, backend=fx_backend())
     tokens = torch.randint(0, 256, (BATCH, SEQ))
     times = []
     for _ in range(STEPS):

@@ -154,7 +154,11 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Deterministic given the global RNG state: normal embeddings, depth-scaled linears, unit norms."""
+        """Deterministic given the global RNG state: normal embeddings, depth-scaled linears, unit norms.
+
+        Also recomputes the rotary table, so a model built on ``meta`` is fully set by this call.
+        """
+        self.rope.copy_(rotary_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta))
         nn.init.normal_(self.tok_embeddings.weight)
         depth_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for layer in self.layers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 
@@ -30,7 +31,28 @@ def launch_local_ranks(nproc: int, module_argv: list[str]) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "simplefsdp", *module_argv)
     except ChildFailedError as failure:
-        rank, first = failure.get_first_failure()
-        print(f"simplefsdp: rank {rank} failed (exit code {first.exitcode}); the job stopped", file=sys.stderr)
+        print(f"simplefsdp: {describe_failures(failure.failures)}; the job stopped", file=sys.stderr)
         return 1
     return 0
+
+
+def describe_failures(failures: dict) -> str:
+    """Name the failed ranks, the likely cause first.
+
+    A rank killed by a signal comes first; then ranks that exited with an error
+    (often a collective broken by the dead peer); last, ranks the launcher itself
+    stopped with SIGTERM after the first failure.
+    """
+
+    def likely_cause_first(item):
+        rank, failure = item
+        stopped_by_launcher = failure.exitcode == -signal.SIGTERM
+        return (stopped_by_launcher, failure.exitcode >= 0, failure.timestamp, rank)
+
+    ordered = sorted(failures.items(), key=likely_cause_first)
+    parts = [
+        f"rank {rank} {'was killed by ' + failure.signal_name() if failure.exitcode < 0 else 'failed'} "
+        f"(exit code {failure.exitcode})"
+        for rank, failure in ordered
+    ]
+    return parts[0] + (f", then {', '.join(parts[1:])}" if parts[1:] else "")

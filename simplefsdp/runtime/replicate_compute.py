@@ -4,18 +4,23 @@ Reading ``module.weight`` gathers the DTensor shard into a full local tensor
 (all-gather for ``Shard``, nothing for ``Replicate``), cast to the compute dtype.
 Its backward turns the local gradient into a ``Partial("avg")`` DTensor and
 reduces it back to the parameter's placement: reduce-scatter, all-reduce, or both.
+With gradient sync off (``grad_sync.py``) the gradient goes to an accumulator instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from simplefsdp.runtime.grad_sync import GradientSync, add_pending, route_to_accumulator
 
 
 def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -47,6 +52,7 @@ class ReplicateComputation:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     reshard_after_forward: bool
+    sync: GradientSync = field(default_factory=GradientSync, compare=False)
 
     def gather(self, param: DTensor) -> torch.Tensor:
         """All-gather ``param`` in ``param_dtype``; its gradient is averaged over ranks in ``reduce_dtype``."""
@@ -56,22 +62,52 @@ class ReplicateComputation:
         )
         return full.to_local(grad_placements=[Partial("avg")] * ndim)
 
-    def __call__(self, param: DTensor) -> torch.Tensor:
+    def compute_view(self, param: DTensor, accumulator: torch.Tensor) -> torch.Tensor:
+        """The gathered parameter; with sync off its gradient goes to ``accumulator`` unreduced."""
+        full = self.gather(param)
+        if self.sync.enabled:
+            return add_pending(full, accumulator)
+        return route_to_accumulator(full, accumulator)
+
+    def __call__(self, param: DTensor, accumulator: torch.Tensor) -> torch.Tensor:
         if self.reshard_after_forward:
-            return checkpoint(self.gather, param, use_reentrant=False, context_fn=_reshard_context)
-        return self.gather(param)
+            return checkpoint(self.compute_view, param, accumulator, use_reentrant=False, context_fn=_reshard_context)
+        return self.compute_view(param, accumulator)
 
 
-def install_getters(module: nn.Module, names: list[str], replicate: ReplicateComputation) -> None:
-    """Make ``module.<name>`` return ``replicate(module._parameters[name])`` for each of ``names``.
+def install_getters(
+    module: nn.Module, accumulators: dict[str, torch.Tensor], replicate: ReplicateComputation
+) -> None:
+    """Make ``module.<name>`` return ``replicate(module._parameters[name], accumulators[name])``.
 
     The module's class is swapped for a subclass with one property per name, so
     ``state_dict`` and ``named_parameters`` still see the sharded parameters.
     """
+    names = list(accumulators)
+    module._grad_accumulators = accumulators
     cls = module.__class__
+    module._class_without_getters = cls
     getters = {name: property(functools.partial(_read_parameter, name=name, replicate=replicate)) for name in names}
     module.__class__ = type(f"Sharded{cls.__name__}", (cls,), getters)
 
 
 def _read_parameter(module: nn.Module, name: str, replicate: ReplicateComputation) -> torch.Tensor:
-    return replicate(module._parameters[name])
+    return replicate(module._parameters[name], module._grad_accumulators[name])
+
+
+@contextlib.contextmanager
+def stored_parameters(model: nn.Module) -> Iterator[None]:
+    """Inside, ``module.<name>`` is the sharded parameter itself, not a gather.
+
+    For utilities that walk attributes to find parameters (such as
+    ``torch.distributed.checkpoint.state_dict``): through the getters every
+    such read would all-gather the parameter.
+    """
+    swapped = [(module, module.__class__) for module in model.modules() if "_class_without_getters" in vars(module)]
+    for module, _ in swapped:
+        module.__class__ = module._class_without_getters
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls

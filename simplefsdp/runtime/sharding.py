@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import pickle
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
+from simplefsdp.runtime.grad_sync import new_accumulator
 from simplefsdp.runtime.replicate_compute import ReplicateComputation, install_getters
 
 
@@ -43,7 +42,8 @@ def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh) -> None:
     mine = _fingerprint(module)
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
-        gathered = _all_gather_picklable(mine, group, mesh.device_type)
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
         for group_rank, theirs in enumerate(gathered):
             if theirs == mine:
                 continue
@@ -59,19 +59,6 @@ def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh) -> None:
             )
 
 
-def _all_gather_picklable(obj: object, group: dist.ProcessGroup, device: str) -> list:
-    """Every group rank's ``obj``, in group-rank order; ``dist.all_gather_object`` without its NumPy dependency."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-    world = dist.get_world_size(group)
-    lengths = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
-    dist.all_gather(lengths, torch.tensor([len(payload)], device=device), group=group)
-    longest = max(int(length) for length in lengths)
-    padded = torch.cat([payload, payload.new_zeros(longest - len(payload))])
-    buffers = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(buffers, padded, group=group)
-    return [pickle.loads(bytes(buffer[: int(length)].tolist())) for buffer, length in zip(buffers, lengths)]
-
-
 def broadcast_buffers(module: nn.Module, mesh: DeviceMesh) -> None:
     """Copy every buffer from the mesh's first rank to all ranks, so all start identical."""
     for buffer in module.buffers():
@@ -83,17 +70,20 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
     """Replace each parameter by a DTensor parameter placed for ``mode`` and install the gathering getters.
 
     Values come from the mesh's first rank. A parameter shared by several modules
-    (tied weights) becomes one DTensor shared by the same modules.
+    (tied weights) becomes one DTensor shared by the same modules, with one
+    accumulator for gradients held back while sync is off.
     """
     placements = param_placements(mode)
-    sharded: dict[int, nn.Parameter] = {}
+    sharded: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
     for submodule in module.modules():
-        names = [name for name, param in submodule._parameters.items() if param is not None]
-        for name in names:
-            param = submodule._parameters[name]
+        accumulators = {}
+        for name, param in submodule._parameters.items():
+            if param is None:
+                continue
             if id(param) not in sharded:
                 dtensor = distribute_tensor(param.detach(), mesh, placements)
-                sharded[id(param)] = nn.Parameter(dtensor, requires_grad=param.requires_grad)
-            submodule._parameters[name] = sharded[id(param)]
-        if names:
-            install_getters(submodule, names, replicate)
+                new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+                sharded[id(param)] = (new_param, new_accumulator(param, mesh.device_type))
+            submodule._parameters[name], accumulators[name] = sharded[id(param)]
+        if accumulators:
+            install_getters(submodule, accumulators, replicate)

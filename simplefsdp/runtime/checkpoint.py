@@ -1,0 +1,114 @@
+"""Sharded checkpoints of model and optimizer with ``torch.distributed.checkpoint`` (DCP).
+
+Each rank writes and reads only its own shards: no parameter is gathered. DCP
+reshards on load, so a checkpoint saved on N ranks loads on any number of ranks.
+A checkpoint is the directory ``<root>/step-<step>``; it is written under a
+temporary name and renamed when complete, so a save killed halfway leaves the
+previous checkpoint the latest complete one.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from simplefsdp.runtime.replicate_compute import stored_parameters
+
+_COMPLETE = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_path(root: str | Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives under ``root``."""
+    return Path(root) / f"step-{step:08d}"
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under ``root``, or None if there is none."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    steps = [(int(match[1]), path) for path in root.iterdir() if (match := _COMPLETE.match(path.name))]
+    complete = [(step, path) for step, path in steps if (path / ".metadata").is_file()]
+    return max(complete)[1] if complete else None
+
+
+def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
+    """Save ``model`` and ``optimizer`` (sharded) with ``step`` as ``<root>/step-<step>``; collective, all ranks call it."""
+    final = checkpoint_path(root, step)
+    partial = final.with_name(f".{final.name}.partial")
+    is_writer = dist.get_rank() == 0
+    if is_writer:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    with stored_parameters(model):
+        model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state, "step": step}, checkpoint_id=partial)
+    if is_writer:
+        _replace(partial, final)
+    dist.barrier()
+    return final
+
+
+def _replace(source: Path, target: Path) -> None:
+    """Rename ``source`` to ``target``, replacing an existing ``target`` directory."""
+    if target.exists():
+        stale = target.with_name(f".{target.name}.stale")
+        shutil.rmtree(stale, ignore_errors=True)
+        target.rename(stale)
+        source.rename(target)
+        shutil.rmtree(stale)
+    else:
+        source.rename(target)
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``) in place; return its step.
+
+    Raises ``ValueError`` naming the first parameter whose shape differs, before any collective.
+    """
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata file); pass a step-* directory")
+    with stored_parameters(model):
+        model_state = get_model_state_dict(model)
+        check_compatible(path, model_state)
+        state = {"model": model_state, "step": -1}
+        if optimizer is not None:
+            state["optim"] = get_optimizer_state_dict(model, optimizer)
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, state["optim"])
+    return state["step"]
+
+
+def check_compatible(path: Path, model_state: dict[str, torch.Tensor]) -> None:
+    """Raise ``ValueError`` naming the first model entry missing from, or shaped differently in, the checkpoint."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, tensor in model_state.items():
+        entry = saved.get(f"model.{name}")
+        if not isinstance(entry, TensorStorageMetadata):
+            raise ValueError(f"checkpoint {path} has no parameter {name!r}: it was saved from a different model")
+        if tuple(entry.size) != tuple(tensor.shape):
+            raise ValueError(
+                f"checkpoint {path} holds parameter {name!r} with shape {tuple(entry.size)}, but the model's is "
+                f"{tuple(tensor.shape)}: it was saved from a different model; build the same model to resume"
+            )
+    unexpected = sorted({key[len("model."):] for key in saved if key.startswith("model.")} - set(model_state))
+    if unexpected:
+        raise ValueError(f"checkpoint {path} has parameter {unexpected[0]!r} that the model lacks: different model")

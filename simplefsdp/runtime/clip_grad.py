@@ -1,0 +1,61 @@
+"""Gradient-norm clipping over sharded gradients with a single all-reduce."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale ``model``'s gradients in place so their total ``norm_type``-norm is at most ``max_norm``.
+
+    Same result as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: each rank
+    reduces its local shards, then one all-reduce over the mesh dimensions that shard
+    the gradients combines them. Returns the total norm before clipping (a plain tensor).
+    """
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    group = _shard_group(grads)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in local])
+    if math.isinf(norm_type):
+        total = norms.max()
+        if group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    else:
+        total = norms.pow(norm_type).sum()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        total = total.pow(1.0 / norm_type)
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(local, clip_coef)
+    return total
+
+
+def _shard_group(grads: list[torch.Tensor]) -> dist.ProcessGroup | None:
+    """The process group over which gradients are sharded, or None if none is sharded.
+
+    Raises ``ValueError`` when gradients live on different meshes or placements.
+    """
+    dtensors = [g for g in grads if isinstance(g, DTensor)]
+    layouts = {(g.device_mesh, tuple(g.placements)) for g in dtensors}
+    if len(layouts) > 1 or (dtensors and len(dtensors) != len(grads)):
+        raise ValueError(
+            "clip_grad_norm_ needs every gradient sharded the same way (the parameters of one compile_sharded "
+            f"model); found {len(layouts)} layouts and {len(grads) - len(dtensors)} plain tensors"
+        )
+    if not layouts:
+        return None
+    mesh, placements = layouts.pop()
+    shard_dims = [dim for dim, placement in enumerate(placements) if isinstance(placement, Shard)]
+    if len(shard_dims) > 1:
+        raise ValueError(f"clip_grad_norm_ supports gradients sharded over one mesh dimension, got {placements}")
+    return mesh.get_group(shard_dims[0]) if shard_dims else None

@@ -1,0 +1,129 @@
+"""Gradient accumulation without communication (FSDP2's ``set_requires_gradient_sync(False)``).
+
+While sync is off, the getter hands the forward a gathered parameter whose
+gradient does not flow back to the sharded parameter (no reduce-scatter, no
+all-reduce) but into a per-parameter accumulator leaf: autograd sums the full,
+unreduced local gradients there across micro-batches. The next backward with
+sync on adds that sum to its own gradient before the one reduction it issues,
+then drops it. The sync flag and the presence of a pending sum are read during
+tracing, so ``torch.compile`` guards on them and keeps one graph per state.
+
+Known cost: in a micro-batch with sync off, the compiled backward keeps the
+gathered parameters from the forward instead of gathering them again (the
+partitioner does not recompute a gather whose output has no gradient path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+class GradientSync:
+    """The switch ``set_requires_gradient_sync`` flips; one per ``compile_sharded`` model."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self.drops_registered = False
+
+
+def new_accumulator(param: torch.Tensor, device: str) -> torch.Tensor:
+    """A leaf of ``param``'s full (unsharded) shape on ``device`` that takes no memory; its ``.grad`` is the pending sum."""
+    return torch.zeros((), dtype=param.dtype, device=device).expand(param.shape).requires_grad_()
+
+
+class _RouteGradient(torch.autograd.Function):
+    """Identity on ``value``; the incoming gradient goes to ``accumulator`` instead of ``value``."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
+        ctx.accumulator_dtype = accumulator.dtype
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad.to(ctx.accumulator_dtype)
+
+
+class _AddPending(torch.autograd.Function):
+    """Identity on ``value``; its gradient gets ``pending`` added (in ``pending``'s dtype) on the way back."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+        # Kept on ctx, not saved for backward: under activation checkpointing this forward may
+        # be recomputed after the pending sum was dropped, and saved tensors must match.
+        ctx.pending = pending
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (grad.to(ctx.pending.dtype) + ctx.pending).to(grad.dtype), None
+
+
+def route_to_accumulator(full: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
+    """``full`` for the forward; its gradient accumulates unreduced in ``accumulator.grad``."""
+    return _RouteGradient.apply(full.detach(), accumulator)
+
+
+def add_pending(full: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
+    """``full`` for the forward; its gradient includes the sum pending in ``accumulator.grad``, if any."""
+    if accumulator.grad is None:
+        return full
+    return _AddPending.apply(full, accumulator.grad)
+
+
+def register_pending_drops(model: nn.Module, sync: GradientSync) -> None:
+    """Clear each accumulator's pending sum once a backward with sync on has accumulated its parameter's gradient.
+
+    Registered when sync is first turned off, not at sharding time, so that it
+    applies to the parameters as they are then (``to_empty`` replaces their tensors).
+    The hooks also fire in backwards with sync off (a compiled backward runs every
+    parameter's accumulation, with no gradient), where they must keep the sum.
+    """
+    for module in model.modules():
+        for name, accumulator in vars(module).get("_grad_accumulators", {}).items():
+            module._parameters[name].register_post_accumulate_grad_hook(functools.partial(_drop, sync, accumulator))
+
+
+def _drop(sync: GradientSync, accumulator: torch.Tensor, _: torch.Tensor) -> None:
+    if sync.enabled:
+        accumulator.grad = None
+
+
+class GradientSyncMethods:
+    """FSDP2's gradient-sync controls, mixed into the class of the model ``compile_sharded`` returns."""
+
+    _gradient_sync: GradientSync
+
+    @property
+    def requires_gradient_sync(self) -> bool:
+        """Whether the next backward reduces gradients across ranks."""
+        return self._gradient_sync.enabled
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Off: backwards keep full gradients locally with no communication. On: the next backward reduces all."""
+        if not requires_gradient_sync and not self._gradient_sync.drops_registered:
+            register_pending_drops(self, self._gradient_sync)
+            self._gradient_sync.drops_registered = True
+        self._gradient_sync.enabled = bool(requires_gradient_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside run without gradient communication; the first backward after it reduces everything."""
+        previous = self.requires_gradient_sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(previous)
+
+
+def add_gradient_sync_methods(model: nn.Module, sync: GradientSync) -> None:
+    """Give ``model`` the methods of ``GradientSyncMethods``, controlling ``sync``, by swapping its class."""
+    model._gradient_sync = sync
+    cls = model.__class__
+    model.__class__ = type(cls.__name__, (GradientSyncMethods, cls), {})

@@ -1,0 +1,32 @@
+"""Counting the collectives that actually run, eager or compiled, at the operator level."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+COLLECTIVES = ("all_gather", "allgather", "reduce_scatter", "all_reduce", "allreduce", "broadcast", "all_to_all")
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts the collective ops on floating-point data dispatched while active, by op name.
+
+    Object collectives (pickled bytes, e.g. DCP's planning) are not counted.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = func.name().partition("::")
+        if namespace in ("_c10d_functional", "c10d") and name.startswith(COLLECTIVES) and _carries_floats(args):
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _carries_floats(args) -> bool:
+    return any(isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in tree_leaves(args))
