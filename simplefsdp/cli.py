@@ -18,11 +18,14 @@ def dtype_arg(name: str) -> torch.dtype:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from simplefsdp import train
+    from simplefsdp import inspection, train
 
     parser = argparse.ArgumentParser(prog="simplefsdp", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train.add_arguments(commands.add_parser("train", help="train a reference model on local ranks"))
+    inspection.add_arguments(
+        commands.add_parser("inspect", help="trace a reference model at any world size and predict its step")
+    )
     return parser
 
 

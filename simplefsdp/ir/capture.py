@@ -1,0 +1,128 @@
+"""Capturing the forward and backward graphs that ``torch.compile`` hands to Inductor.
+
+``capture_graphs`` compiles the model with a backend that runs Dynamo, then
+AOTAutograd with Inductor's decomposition table and Inductor's min-cut
+partitioner (the same joint-graph split, selective-checkpoint tags and saved
+tensors as an Inductor compile), records the forward and backward graphs, and
+runs them as plain FX instead of generating code. Inductor's own post-grad
+pattern passes (pointwise fusion, reinplacing) are not run, so elementwise ops
+stay separate; collectives, matmuls, attention and their order are as Inductor
+receives them. On meta tensors the run allocates nothing.
+
+Private PyTorch details used here, and only here: AOTAutograd's input
+descriptors (``node.meta["desc"]``) to name parameter placeholders.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.decomposition import select_decomp_table
+from torch.utils._pytree import tree_flatten
+
+_SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+
+
+@dataclass
+class CapturedGraphs:
+    """The forward and backward FX graphs of one compiled call, and which placeholders hold which parameter."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    param_fqns: dict[str, str]
+
+
+class TraceError(RuntimeError):
+    """The model could not be traced into one forward and one backward graph."""
+
+
+def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: bool = True) -> CapturedGraphs:
+    """Compile ``model``, run it once forward and backward on ``example_inputs``, return its graphs.
+
+    With ``fused_attention`` every ``scaled_dot_product_attention`` without a mask
+    is traced as the flash-attention kernel a GPU runs, even on meta tensors (where
+    PyTorch would otherwise pick the unfused math path). Raises ``TraceError`` with
+    one line naming the fix when the forward does not trace as one graph.
+    """
+    graphs: dict[str, fx.GraphModule] = {}
+    dynamo_inputs: list[str | None] = []
+    names = {id(param): name for name, param in model.named_parameters()}
+
+    def record(phase: str):
+        def compile_graph(gm: fx.GraphModule, _inputs) -> object:
+            graphs[phase] = gm
+            return make_boxed_func(gm.forward)
+
+        return compile_graph
+
+    aot_backend = aot_autograd(
+        fw_compiler=record("forward"),
+        bw_compiler=record("backward"),
+        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+        decompositions=select_decomp_table(),
+    )
+
+    def backend(gm: fx.GraphModule, inputs: list) -> object:
+        if fused_attention:
+            _use_fused_attention(gm)
+        dynamo_inputs[:] = [names.get(id(value)) for value in inputs]
+        return aot_backend(gm, inputs)
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    try:
+        outputs = compiled(*example_inputs)
+    except Exception as error:  # Dynamo raises many types; all mean "does not trace"
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise TraceError(
+            f"could not trace {type(model).__name__} into one graph ({type(error).__name__}: {first_line}); "
+            "make its forward run under torch.compile(model, fullgraph=True) first"
+        ) from error
+    differentiable = [out for out in tree_flatten(outputs)[0] if isinstance(out, torch.Tensor) and out.requires_grad]
+    if not differentiable:
+        raise TraceError(
+            f"{type(model).__name__} returned no tensor that requires grad, so there is no backward graph; "
+            "inspect a model with trainable parameters whose output depends on them"
+        )
+    torch.autograd.backward(differentiable, [torch.ones_like(out) for out in differentiable])
+    forward = graphs["forward"]
+    return CapturedGraphs(forward, graphs["backward"], _parameter_placeholders(forward, dynamo_inputs))
+
+
+def _parameter_placeholders(forward: fx.GraphModule, dynamo_inputs: list[str | None]) -> dict[str, str]:
+    """Placeholder name → parameter FQN, from AOTAutograd's descriptor of each forward input."""
+    fqns = {}
+    for placeholder in forward.graph.find_nodes(op="placeholder"):
+        desc = placeholder.meta.get("desc")
+        while hasattr(desc, "base"):  # a DTensor's inner tensor points at the DTensor input
+            desc = desc.base
+        index = getattr(desc, "idx", None)
+        if index is not None and index < len(dynamo_inputs) and dynamo_inputs[index] is not None:
+            fqns[placeholder.name] = dynamo_inputs[index]
+    return fqns
+
+
+def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``scaled_dot_product_attention`` through the flash kernel when it applies, else unchanged."""
+    if attn_mask is not None or enable_gqa or query.dim() != 4:
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+
+
+def _use_fused_attention(gm: fx.GraphModule) -> None:
+    """Point every attention call of Dynamo's graph at ``_fused_attention``."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _SDPA_TARGETS:
+            node.target = _fused_attention
+            changed = True
+    if changed:
+        gm.recompile()

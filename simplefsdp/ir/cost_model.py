@@ -1,0 +1,76 @@
+"""Predicted run time of schedule nodes on a hardware profile.
+
+Compute: a roofline, ``max(FLOPs / matmul rate, bytes moved / memory bandwidth)``
+plus the kernel launch overhead; views, waits and tuple items cost nothing.
+
+Collectives: an alpha-beta model with ring factors. For ``n`` ranks and a full
+buffer of ``S`` bytes, a ring all-gather or reduce-scatter moves ``(n-1)/n * S``
+through each rank's link (NCCL's "bus bandwidth" convention) in ``n-1`` steps;
+an all-reduce is a reduce-scatter followed by an all-gather. When the group
+spans ``N`` nodes of ``g`` ranks it runs hierarchically: the inter-node phase
+moves ``(N-1)/N * S`` bytes through the node's ``g`` network links at once, the
+intra-node phase ``(g-1)/g * S`` over NVLink; the phases add up.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+
+from simplefsdp.ir.hardware import HardwareProfile
+from simplefsdp.ir.schedule import COLLECTIVE, COMPUTE, Collective, ScheduleNode, Size
+
+
+def node_time(node: ScheduleNode, hardware: HardwareProfile, dtype: torch.dtype | None = None) -> float:
+    """Seconds ``node`` occupies its stream: compute on the compute stream, collectives on the communication stream.
+
+    ``dtype`` is the matmul dtype when the node has FLOPs (default: float32 rate).
+    """
+    if node.kind == COLLECTIVE:
+        return collective_time(node.collective, hardware)
+    if node.kind != COMPUTE or node.alias_of is not None:
+        return 0.0
+    flops = as_number(node.flops)
+    moved = as_number(node.bytes_read) + as_number(node.bytes_written)
+    rate = hardware.matmul_rate(dtype or torch.float32)
+    return hardware.kernel_overhead + max(flops / rate, moved / hardware.memory_bandwidth)
+
+
+def collective_time(collective: Collective, hardware: HardwareProfile) -> float:
+    """Seconds for one collective of ``collective.bytes`` bytes over its group, by the model above."""
+    return collective_seconds(collective.kind, as_number(collective.bytes), collective.group_ranks, hardware)
+
+
+def collective_seconds(kind: str, size: float, ranks: tuple[int, ...], hardware: HardwareProfile) -> float:
+    """Seconds for a ``kind`` collective whose full buffer is ``size`` bytes over global ``ranks``."""
+    if len(ranks) <= 1:
+        return 0.0
+    per_node = hardware.devices_per_node
+    nodes = len({rank // per_node for rank in ranks})
+    local = len(ranks) // nodes
+    one_way = hardware.collective_latency + _ring_phase(size, local, hardware.intra_node_bandwidth,
+                                                        hardware.intra_node_latency)
+    if nodes > 1:
+        one_way += _ring_phase(size, nodes, local * hardware.inter_node_bandwidth, hardware.inter_node_latency)
+    if kind == "all_reduce":
+        return 2 * one_way - hardware.collective_latency
+    return one_way
+
+
+def _ring_phase(size: float, ranks: int, bandwidth: float, step_latency: float) -> float:
+    """A ring over ``ranks`` participants: ``ranks-1`` steps moving ``(ranks-1)/ranks`` of ``size``."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) * step_latency + (ranks - 1) / ranks * size / bandwidth
+
+
+def as_number(value: Size) -> float:
+    """A size as a float; a symbolic size raises ``ValueError`` naming the fix."""
+    if isinstance(value, sympy.Expr):
+        if value.free_symbols:
+            raise ValueError(
+                f"cannot price a symbolic size {value}; inspect with static example inputs "
+                "(torch.compile(dynamic=False)) or substitute the symbols first"
+            )
+        return float(value)
+    return float(value)

@@ -1,0 +1,38 @@
+"""Owning-module names (FQNs) from the ``nn_module_stack`` that Dynamo records on each FX node."""
+
+from __future__ import annotations
+
+import re
+
+from torch import fx
+
+# A leading root such as L['self'], L["fn"] or a bare self / fn.
+_ROOT = re.compile(r"""^(?:L|G)\[(['"])[^'"]*\1\]|^(?:self|fn)(?=\.|$)""")
+# Container access written as ._modules['x'], ['x'], [0] or getattr(..., 'x').
+_SUBSCRIPT = re.compile(r"""(?:\._modules)?\[(['"]?)([^'"\]]+)\1\]""")
+_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def parse_module_path(path: str) -> str:
+    """Turn a Dynamo module path into a plain FQN: ``L['fn'].layers.0.attn`` → ``layers.0.attn``.
+
+    Accepts the forms Dynamo and export write (``L['self']``, ``L['fn']``,
+    ``._modules['x']``, ``['x']``, ``self.x``) and drops wrapper names such as
+    ``_orig_mod`` and ``_checkpoint_wrapped_module``. The root alone gives ``""``.
+    """
+    rest = _ROOT.sub("", path.strip())
+    rest = _SUBSCRIPT.sub(lambda match: "." + match.group(2), rest)
+    parts = [part for part in rest.split(".") if part and part not in _WRAPPERS]
+    return ".".join(parts)
+
+
+def node_fqn(node: fx.Node) -> str:
+    """The FQN of the innermost module that produced ``node``, or ``""`` for top-level code.
+
+    Backward nodes carry the forward module stack as ``fwd_nn_module_stack``.
+    """
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return ""
+    path, _module_type = list(stack.values())[-1]
+    return parse_module_path(path)

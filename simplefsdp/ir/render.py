@@ -1,0 +1,142 @@
+"""Renderers of a predicted step: a text summary, an SVG timeline, a Chrome/Perfetto trace."""
+
+from __future__ import annotations
+
+import json
+from html import escape
+
+from simplefsdp.ir.cost_model import as_number, collective_time
+from simplefsdp.ir.hardware import HardwareProfile
+from simplefsdp.ir.memory import CATEGORIES
+from simplefsdp.ir.schedule import Schedule
+from simplefsdp.ir.simulator import Prediction
+
+_PALETTE = ("#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6", "#9a6324")
+_PHASE_COLOURS = {"forward": "#8fa8c8", "backward": "#9cc39c"}
+
+
+def format_bytes(size: float) -> str:
+    """``1536`` → ``"1.50 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.0f} B" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_seconds(seconds: float) -> str:
+    """``0.0012`` → ``"1.200 ms"``."""
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def collective_rows(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> list[dict]:
+    """One row per collective of the step: phase, kind, bucket, module, group size, dtype, bytes, time, hidden."""
+    rows = []
+    for schedule in schedules:
+        for index, node in enumerate(schedule.collectives()):
+            collective = node.collective
+            rows.append(dict(
+                phase=schedule.phase, kind=collective.kind, bucket=f"{schedule.phase[0]}{index}",
+                module=node.fqn or "(top)", group=collective.group_size, dtype=str(collective.dtype).removeprefix("torch."),
+                bytes=as_number(collective.bytes), time=collective_time(collective, hardware),
+                stall=prediction.stall(schedule.phase, node.name), name=node.name,
+            ))
+    return rows
+
+
+def _bucket_names(
+    schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile
+) -> dict[tuple[str, str], str]:
+    return {(row["phase"], row["name"]): row["bucket"] for row in collective_rows(schedules, prediction, hardware)}
+
+
+def text_summary(title: str, schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> str:
+    """The predictions in a few lines, then a table with one row per collective."""
+    memory = prediction.memory
+    split = ", ".join(f"{category} {format_bytes(memory.peak_by_category[category])}" for category in CATEGORIES)
+    flops = sum(as_number(node.flops) for schedule in schedules for node in schedule.nodes)
+    lines = [
+        title,
+        f"predicted step {format_seconds(prediction.step_time)}: compute {format_seconds(prediction.compute_time)}, "
+        f"communication {format_seconds(prediction.communication_time)}, "
+        f"exposed {format_seconds(prediction.exposed_communication)}, overlap {prediction.overlap_fraction:.1%}, "
+        f"lower bound {format_seconds(prediction.lower_bound)}",
+        f"peak memory per rank {format_bytes(memory.peak_bytes)} at {memory.peak_at}: {split}",
+        f"FLOPs per rank per step {flops:.4g}",
+        "",
+        f"{'#':>3}  {'phase':8}  {'kind':14}  {'bucket':6}  {'module':32}  {'group':>5}  {'dtype':8}  "
+        f"{'bytes':>11}  {'time':>10}  hidden",
+    ]
+    for number, row in enumerate(collective_rows(schedules, prediction, hardware)):
+        hidden = "yes" if row["stall"] == 0 else f"no, stalls {format_seconds(row['stall'])}"
+        lines.append(
+            f"{number:>3}  {row['phase']:8}  {row['kind']:14}  {row['bucket']:6}  {row['module']:32}  "
+            f"{row['group']:>5}  {row['dtype']:8}  {format_bytes(row['bytes']):>11}  "
+            f"{format_seconds(row['time']):>10}  {hidden}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def svg_timeline(title: str, schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> str:
+    """Two lanes (compute, communication; collectives coloured by bucket) and the memory curve under them."""
+    width, left, lane, top = 1200, 110, 26, 40
+    scale = (width - left - 20) / max(prediction.step_time, 1e-12)
+    buckets = _bucket_names(schedules, prediction, hardware)
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="300" font-family="monospace" font-size="12">',
+        f'<text x="10" y="20">{escape(title)} | step {format_seconds(prediction.step_time)}, '
+        f'exposed communication {format_seconds(prediction.exposed_communication)}</text>',
+        f'<text x="10" y="{top + 17}">compute</text>',
+        f'<text x="10" y="{top + lane + 17}">communication</text>',
+    ]
+    for span in prediction.spans:
+        x, span_width = left + span.start * scale, max((span.end - span.start) * scale, 0.5)
+        if span.stream == "compute":
+            y, colour = top, _PHASE_COLOURS[span.phase]
+        else:
+            y, colour = top + lane, _PALETTE[int(buckets[span.phase, span.name][1:]) % len(_PALETTE)]
+        parts.append(
+            f'<rect x="{x:.2f}" y="{y}" width="{span_width:.2f}" height="{lane - 4}" fill="{colour}">'
+            f'<title>{escape(span.name)} {escape(span.fqn)} {format_seconds(span.end - span.start)}</title></rect>'
+        )
+    parts.extend(_memory_curve(prediction, left, width - 20, scale, top=top + 2 * lane + 30, height=150))
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def _memory_curve(prediction: Prediction, left: int, right: int, scale: float, top: int, height: int) -> list[str]:
+    curve, peak = prediction.memory.curve, max(prediction.memory.peak_bytes, 1)
+    points = " ".join(
+        f"{left + time * scale:.2f},{top + height - live / peak * height:.2f}"
+        for time, live in zip(prediction.node_end_times, curve)
+    )
+    return [
+        f'<text x="10" y="{top + 12}">memory</text>',
+        f'<text x="10" y="{top + 28}">peak {format_bytes(prediction.memory.peak_bytes)}</text>',
+        f'<line x1="{left}" y1="{top + height}" x2="{right}" y2="{top + height}" stroke="#999"/>',
+        f'<polyline fill="none" stroke="#444" stroke-width="1.5" points="{points}"/>',
+    ]
+
+
+def chrome_trace(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> str:
+    """Chrome / Perfetto trace JSON: thread 0 compute, thread 1 communication, a memory counter."""
+    buckets = _bucket_names(schedules, prediction, hardware)
+    events = [
+        {"ph": "M", "pid": 0, "tid": 0, "name": "thread_name", "args": {"name": "compute"}},
+        {"ph": "M", "pid": 0, "tid": 1, "name": "thread_name", "args": {"name": "communication"}},
+    ]
+    for span in prediction.spans:
+        args = {"module": span.fqn, "op": span.op, "phase": span.phase}
+        if (span.phase, span.name) in buckets:
+            args["bucket"] = buckets[span.phase, span.name]
+        events.append({
+            "ph": "X", "pid": 0, "tid": 0 if span.stream == "compute" else 1, "name": span.name,
+            "cat": span.phase, "ts": span.start * 1e6, "dur": (span.end - span.start) * 1e6, "args": args,
+        })
+    for time, live in zip(prediction.node_end_times, prediction.memory.curve):
+        events.append({"ph": "C", "pid": 0, "name": "memory", "ts": time * 1e6, "args": {"bytes": live}})
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})

@@ -1,0 +1,237 @@
+"""The schedule: a post-grad FX graph read into an ordered list of compute, collective and wait nodes.
+
+Reading never changes the graph. Each node carries its owning module's FQN,
+FLOPs (``torch.utils.flop_counter`` formulas on the node's fake tensors), bytes
+read and written, and the names of the nodes it reads; ``Schedule.dag`` holds
+the same dependencies as a ``networkx`` DAG. Sizes are ``int`` for static
+shapes and ``sympy`` expressions for dynamic ones.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Union
+
+import networkx as nx
+import sympy
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from simplefsdp.ir.fqn import node_fqn
+
+Size = Union[int, sympy.Expr]
+
+COMPUTE, COLLECTIVE, WAIT = "compute", "collective", "wait"
+
+_functional = torch.ops._c10d_functional
+# Collective op → (kind, index of the group-size argument or None, which buffer is the full size).
+_COLLECTIVES = {
+    _functional.all_gather_into_tensor.default: ("all_gather", 1, "output"),
+    _functional.all_gather_into_tensor_coalesced.default: ("all_gather", 1, "output"),
+    _functional.reduce_scatter_tensor.default: ("reduce_scatter", 2, "input"),
+    _functional.reduce_scatter_tensor_coalesced.default: ("reduce_scatter", 2, "input"),
+    _functional.all_reduce.default: ("all_reduce", None, "input"),
+    _functional.all_reduce_coalesced.default: ("all_reduce", None, "input"),
+    _functional.all_to_all_single.default: ("all_to_all", None, "input"),
+}
+_WAIT_OPS = (_functional.wait_tensor.default,)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective: its kind, process group, element dtype and the full (unsharded) buffer size."""
+
+    kind: str
+    group_name: str
+    group_ranks: tuple[int, ...]
+    dtype: torch.dtype
+    bytes: Size
+
+    @property
+    def group_size(self) -> int:
+        return len(self.group_ranks)
+
+
+@dataclass(frozen=True)
+class ScheduleNode:
+    """One operation of the graph, in program order.
+
+    ``alias_of`` names the node whose storage this one shares (views, waits,
+    tuple items); such nodes allocate nothing and cost nothing.
+    """
+
+    name: str
+    kind: str
+    op: str
+    fqn: str
+    inputs: tuple[str, ...]
+    flops: Size = 0
+    bytes_read: Size = 0
+    bytes_written: Size = 0
+    alias_of: str | None = None
+    collective: Collective | None = None
+    waits_for: str | None = None
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """A graph placeholder that holds a tensor: its size and, for parameter shards, the parameter's FQN."""
+
+    name: str
+    bytes: Size
+    param_fqn: str | None = None
+
+
+@dataclass
+class Schedule:
+    """One graph (``phase`` is ``"forward"`` or ``"backward"``) read into ordered nodes and a DAG."""
+
+    phase: str
+    inputs: list[GraphInput]
+    nodes: list[ScheduleNode]
+    outputs: list[str | None]
+    code: str
+    dag: nx.DiGraph = field(repr=False)
+
+    def node(self, name: str) -> ScheduleNode:
+        """The node called ``name``; ``KeyError`` when there is none."""
+        return self.dag.nodes[name]["node"]
+
+    def collectives(self) -> list[ScheduleNode]:
+        """The collective nodes, in program order."""
+        return [node for node in self.nodes if node.kind == COLLECTIVE]
+
+
+def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | None = None) -> Schedule:
+    """Read ``gm`` into a ``Schedule`` without changing it.
+
+    ``param_fqns`` maps placeholder names to the FQNs of the parameters they hold.
+    """
+    param_fqns = param_fqns or {}
+    inputs, nodes, outputs = [], [], []
+    dag = nx.DiGraph()
+    for fx_node in gm.graph.nodes:
+        if fx_node.op == "placeholder":
+            if isinstance(fx_node.meta.get("val"), torch.Tensor):
+                inputs.append(GraphInput(fx_node.name, tensor_bytes(fx_node.meta["val"]), param_fqns.get(fx_node.name)))
+        elif fx_node.op == "output":
+            outputs = [arg.name if isinstance(arg, fx.Node) else None for arg in tree_flatten(fx_node.args)[0]]
+        elif fx_node.op == "call_function":
+            node = _read_node(fx_node)
+            nodes.append(node)
+            dag.add_node(node.name, node=node)
+            dag.add_edges_from((source, node.name) for source in node.inputs if source in dag)
+    return Schedule(phase, inputs, nodes, outputs, gm.code, dag)
+
+
+def _read_node(fx_node: fx.Node) -> ScheduleNode:
+    inputs = tuple(dict.fromkeys(arg.name for arg in fx_node.all_input_nodes))
+    common = dict(name=fx_node.name, op=_op_name(fx_node.target), fqn=node_fqn(fx_node), inputs=inputs)
+    target = fx_node.target
+    if target in _COLLECTIVES:
+        collective = _read_collective(fx_node)
+        return ScheduleNode(kind=COLLECTIVE, collective=collective, bytes_written=_output_bytes(fx_node), **common)
+    if target in _WAIT_OPS:
+        source = _collective_source(fx_node.args[0])
+        return ScheduleNode(kind=WAIT, waits_for=source, alias_of=fx_node.args[0].name, **common)
+    alias = _aliased_input(fx_node)
+    if alias is not None:
+        return ScheduleNode(kind=COMPUTE, alias_of=alias, **common)
+    read = sum((tensor_bytes(arg.meta["val"]) for arg in fx_node.all_input_nodes if _is_tensor_node(arg)), 0)
+    return ScheduleNode(
+        kind=COMPUTE, flops=_flops(fx_node), bytes_read=read, bytes_written=_output_bytes(fx_node), **common
+    )
+
+
+def _op_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def _is_tensor_node(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> Size:
+    """Bytes of ``tensor``'s elements; a ``sympy`` expression when its shape is symbolic."""
+    return _as_size(tensor.numel()) * tensor.element_size()
+
+
+def _as_size(value) -> Size:
+    if isinstance(value, torch.SymInt):
+        return sympy.sympify(value.node.expr)
+    return int(value)
+
+
+def _output_bytes(fx_node: fx.Node) -> Size:
+    values = [value for value in tree_flatten(fx_node.meta.get("val"))[0] if isinstance(value, torch.Tensor)]
+    return sum((tensor_bytes(value) for value in values), 0)
+
+
+def _aliased_input(fx_node: fx.Node) -> str | None:
+    """The input whose storage ``fx_node``'s output shares: views by schema, and tuple items."""
+    if fx_node.target is operator.getitem:
+        return fx_node.args[0].name
+    schema = getattr(fx_node.target, "_schema", None)
+    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+        return None
+    if schema.returns[0].alias_info.is_write:
+        return None
+    tensors = [arg for arg in fx_node.args if isinstance(arg, fx.Node)]
+    return tensors[0].name if tensors else None
+
+
+def _flops(fx_node: fx.Node) -> Size:
+    target = fx_node.target
+    formula = flop_registry.get(getattr(target, "overloadpacket", None))
+    if formula is None:
+        return 0
+    args, kwargs = tree_map(_fake_value, (fx_node.args, fx_node.kwargs))
+    return _as_size(formula(*args, **kwargs, out_val=fx_node.meta["val"]))
+
+
+def _fake_value(arg):
+    return arg.meta["val"] if isinstance(arg, fx.Node) else arg
+
+
+def _read_collective(fx_node: fx.Node) -> Collective:
+    kind, size_index, full_buffer = _COLLECTIVES[fx_node.target]
+    group_name = fx_node.args[-1]
+    ranks = group_ranks(group_name)
+    if size_index is not None and len(ranks) != fx_node.args[size_index]:
+        ranks = tuple(range(fx_node.args[size_index]))
+    first_input = tree_flatten(fx_node.args[0])[0][0]
+    dtype = first_input.meta["val"].dtype
+    if full_buffer == "output":
+        size = _output_bytes(fx_node)
+    else:
+        size = sum((tensor_bytes(arg.meta["val"]) for arg in tree_flatten(fx_node.args[0])[0]), 0)
+    return Collective(kind=kind, group_name=str(group_name), group_ranks=ranks, dtype=dtype, bytes=size)
+
+
+def _collective_source(node: fx.Node) -> str:
+    """The collective a wait belongs to: the node itself, or the producer of a tuple item."""
+    while node.target is operator.getitem:
+        node = node.args[0]
+    return node.name
+
+
+def group_ranks(group_name: str) -> tuple[int, ...]:
+    """Global ranks of the process group registered as ``group_name`` in this process.
+
+    Uses ``torch.distributed.distributed_c10d._resolve_process_group`` (private; the
+    only way from a name to a group). An unknown name gives ``()``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not dist.is_initialized():
+        return ()
+    try:
+        return tuple(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+    except (ValueError, RuntimeError, KeyError):
+        return ()

@@ -1,0 +1,30 @@
+"""A fake data-parallel world in one process: trace any world size with no peers and no data."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """Run the body as rank 0 of a fake default process group of ``world_size`` ranks.
+
+    Collectives are accepted and move no data. Raises ``RuntimeError`` when a
+    process group is already running here. Uses PyTorch's ``FakeStore`` from
+    ``torch.testing._internal`` (private; the only way to start the "fake" backend).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a process group is already running in this process; inspect with world_size traces on its own "
+            "fake group, so call it before init_process_group (or from `python -m simplefsdp inspect`)"
+        )
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
