@@ -40,22 +40,21 @@ def compile_sharded(
     Returns the same module. Called without ``model`` it returns a decorator.
     Every argument is checked before any collective runs.
     """
-    options = dict(
-        mesh=mesh, mode=mode, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-        compile=compile, backend=backend, **compile_options,
-    )
-    if model is None:
-        return functools.partial(compile_sharded, **options)
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"compile_sharded expects a torch.nn.Module, got {type(model).__name__}; "
-            "wrap plain functions in an nn.Module first"
-        )
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
         raise TypeError(f"mp_policy must be simplefsdp.MixedPrecision or None, got {type(mp_policy).__name__}")
     check_compile_options(compile_options)
+    if model is None:
+        return functools.partial(
+            compile_sharded, mesh=mesh, mode=mode, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+            compile=compile, backend=backend, **compile_options,
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"compile_sharded expects a torch.nn.Module, got {type(model).__name__}; "
+            "wrap plain functions in an nn.Module first"
+        )
     check_not_sharded(model)
     mesh = mesh if mesh is not None else default_mesh(mode)
     check_mesh(mesh, mode)

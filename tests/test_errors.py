@@ -55,6 +55,11 @@ def test_unknown_mode(fake_world, no_collectives):
         compile_sharded(nn.Linear(4, 4), mode="zero3")
 
 
+def test_decorator_form_checks_options_at_once():
+    with pytest.raises(ValueError, match="unknown mode 'zero3'"):
+        compile_sharded(mode="zero3")
+
+
 def test_non_floating_param_dtype(fake_world, no_collectives):
     with pytest.raises(ValueError, match="must be a floating-point torch.dtype, e.g. param_dtype=torch.bfloat16"):
         compile_sharded(nn.Linear(4, 4), mp_policy=MixedPrecision(param_dtype=torch.int32))
