@@ -161,6 +161,15 @@ def test_pass_uuid_follows_options():
     assert block != OverlapPasses(MANUAL).uuid()
 
 
+class TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
 def linears(model: nn.Module) -> int:
     return sum(isinstance(m, nn.Linear) for m in model.modules())
 
@@ -170,7 +179,7 @@ def test_generated_code_prefetches_each_layer_and_other_models_are_unaffected(wo
     torch._dynamo.reset()
     model = compile_sharded(build_model("debug"), buckets="block", prefetch=1)
     _, (forward_code, backward_code) = run_and_get_code(lambda: model(torch.randint(0, 256, TOKENS)).sum().backward())
-    other = compile_sharded(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), buckets=None, reorder=False)
+    other = compile_sharded(TwoLinears(), buckets=None, reorder=False, reshard_after_forward=False)
     _, (other_code, _) = run_and_get_code(lambda: other(torch.randn(2, 8)).sum().backward())
     events = re.findall(r"_c10d_functional\.(all_gather_into_tensor(?:_out)?|reduce_scatter_tensor)\.default\(|"
                         r"extern_kernels\.(mm)\(", forward_code)
