@@ -41,8 +41,13 @@ class _Unit:
 
 def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budget: int | None = None,
                       prefetch: int = 1, compute_dtype: torch.dtype | None = None) -> BucketPlan:
-    """Buckets for ``schedule`` chosen by the algorithm of the module docstring."""
+    """Buckets for ``schedule`` chosen by the algorithm of the module docstring.
+
+    ``compute_dtype`` sets the matmul rate; by default the dtype the parameters are gathered in.
+    """
     blocks = plan_buckets(schedule, "block")
+    gathered = [node.collective.dtype for node in schedule.collectives() if node.collective.kind == "all_gather"]
+    compute_dtype = compute_dtype or (gathered[0] if gathered else None)
     compute = _compute_by_block(schedule, hardware, compute_dtype)
     streams: dict[tuple, list[_Unit]] = {}
     for bucket in blocks.buckets:
