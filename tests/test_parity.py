@@ -26,6 +26,7 @@ PASS_JOBS = {
     "block-no-reorder-inductor-keep-unsharded": "passes-off-inductor-keep-unsharded",
     "manual-no-reorder-inductor": "passes-off-inductor",
     "no-buckets-reorder-inductor-keep-unsharded": "passes-off-inductor-keep-unsharded",
+    "linear_7x5-inductor": "linear_7x5-passes-off-inductor",  # uneven shards: 5 rows over 2 ranks, padded
 }
 
 TWO_RANK_JOBS = {
@@ -51,6 +52,7 @@ TWO_RANK_JOBS = {
         for name, options in (("eager", EAGER), ("inductor", INDUCTOR))
     },
     "graph_break-inductor": ("graph_break", "simplefsdp", INDUCTOR),
+    "linear_7x5-passes-off-inductor": ("linear_7x5", "simplefsdp", PASSES_OFF),
 }
 FOUR_RANK_JOBS = {
     "hybrid_shard-eager": ("llama", "simplefsdp", {**EAGER, "mode": "hybrid_shard", "mesh_shape": (2, 2)}),

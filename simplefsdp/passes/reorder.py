@@ -3,12 +3,15 @@
 Plan (a pure function of a ``Schedule``): all-gathers in program order are
 buckets ``0..n-1`` (one per merged bucket, or per parameter when unbucketed).
 All-gather ``i + prefetch`` is issued right after the wait of all-gather ``i``,
-before bucket ``i``'s compute; in the backward the re-gathers already run in
-reverse block order, so the same rule prefetches them in reverse. Reduce-scatters
-stay where the bucketing put them (as soon as their gradients exist). Every wait,
-with its copy-out views, sinks to just before its first real user; a
-reduce-scatter's wait sinks no further than the next reduce-scatter, so at most
-two gradient buffers are in flight.
+before bucket ``i``'s compute, and the first ``prefetch`` all-gathers at the
+start of the graph, before any compute (in the backward the output layer's
+re-gather then hides behind its weight-gradient matmul, which does not need
+it). In the backward the re-gathers already run in reverse block order, so the
+same rule prefetches them in reverse. Reduce-scatters stay where the bucketing
+put them (as soon as their gradients exist). Every wait, with its copy-out
+views, sinks to just before its first real user; a reduce-scatter's wait sinks
+no further than the next reduce-scatter, so at most two gradient buffers are
+in flight.
 
 Apply moves the nodes in the FX graph and pins the order: each bucket's first
 compute node depends on the all-gathers prefetched before it, and each sunk
@@ -27,10 +30,13 @@ from simplefsdp.passes.inductor_internals import pin_order
 
 @dataclass(frozen=True)
 class Prefetch:
-    """Issue ``collective`` (and the nodes it needs) right after ``after``; ``anchor`` must run after it."""
+    """Issue ``collective`` (and the nodes it needs) right after ``after`` (``None``: at the start of the graph).
+
+    ``anchor``, the first compute node it hides behind, must run after it.
+    """
 
     collective: str
-    after: str
+    after: str | None
     anchor: str
 
 
@@ -56,7 +62,8 @@ class ReorderPlan:
 
     def __str__(self) -> str:
         lines = [f"{self.phase}: {len(self.prefetches)} prefetch(es), {len(self.sinks)} sunk wait(s)"]
-        lines += [f"  issue {p.collective} after {p.after} (before {p.anchor})" for p in self.prefetches]
+        lines += [f"  issue {p.collective} after {p.after or 'the graph inputs'} (before {p.anchor})"
+                  for p in self.prefetches]
         lines += [f"  sink {s.nodes[0]} to before {s.before}" for s in self.sinks]
         return "\n".join(lines)
 
@@ -71,6 +78,10 @@ def plan_reorder(schedule: Schedule, prefetch: int = 1) -> ReorderPlan:
     sinks = {node.name: _sink(schedule, waits[node.name], collectives, position) for node in collectives}
     all_gathers = [node for node in collectives if node.collective.kind == "all_gather"]
     prefetches = []
+    first_compute = _anchor(schedule, schedule.nodes[0].name, position) if schedule.nodes else None
+    for first in all_gathers[:prefetch]:
+        if first_compute is not None and position[first.name] > position[first_compute]:
+            prefetches.append(Prefetch(first.name, None, first_compute))
     for earlier, later in zip(all_gathers, all_gathers[prefetch:] if prefetch else []):
         wait = waits[earlier.name]
         if position[later.name] > position[wait.name]:
@@ -120,7 +131,7 @@ def apply_reorder(graph: fx.Graph, plan: ReorderPlan) -> None:
             pins.setdefault(wait, []).append(wait.prev)
     for prefetch in plan.prefetches:
         collective = by_name[prefetch.collective]
-        after = by_name[prefetch.after]
+        after = by_name[prefetch.after] if prefetch.after else list(graph.find_nodes(op="placeholder"))[-1]
         for node in _needed_after(graph, collective, after):
             after.append(node)
             after = node
