@@ -199,3 +199,17 @@ def test_generated_code_prefetches_each_layer_and_other_models_are_unaffected(wo
     # The second model compiled in the same process keeps one all-gather per parameter.
     assert len(re.findall(r"all_gather_into_tensor\.default\(", other_code)) == 4
     assert "all_gather_into_tensor_out" not in other_code
+
+
+def test_first_gather_is_hoisted_above_compute_it_does_not_need(resharded):
+    graphs, _, _ = resharded
+    # The merged first bucket starts with its own copy-in: it must not be pinned to run after the gather.
+    forward = copy.deepcopy(graphs.forward)
+    passes = OverlapPasses([["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]], reorder=True)
+    passes(forward.graph)
+    forward.graph.lint()
+    backward = copy.deepcopy(graphs.backward)
+    passes(backward.graph)
+    backward.graph.lint()
+    hoisted = [p for _, reorder in passes.plans for p in reorder.prefetches if p.after is None]
+    assert [p.anchor for p in hoisted if p.collective.startswith("all_gather")]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import networkx as nx
 from torch import fx
 
 from simplefsdp.ir.schedule import COMPUTE, WAIT, Schedule, ScheduleNode
@@ -78,10 +79,12 @@ def plan_reorder(schedule: Schedule, prefetch: int = 1) -> ReorderPlan:
     sinks = {node.name: _sink(schedule, waits[node.name], collectives, position) for node in collectives}
     all_gathers = [node for node in collectives if node.collective.kind == "all_gather"]
     prefetches = []
-    first_compute = _anchor(schedule, schedule.nodes[0].name, position) if schedule.nodes else None
     for first in all_gathers[:prefetch]:
-        if first_compute is not None and position[first.name] > position[first_compute]:
-            prefetches.append(Prefetch(first.name, None, first_compute))
+        needed = nx.ancestors(schedule.dag, first.name)
+        anchor = next((node.name for node in schedule.nodes if node.kind == COMPUTE and node.alias_of is None
+                       and node.name not in needed), None)
+        if anchor is not None and position[first.name] > position[anchor]:
+            prefetches.append(Prefetch(first.name, None, anchor))
     for earlier, later in zip(all_gathers, all_gathers[prefetch:] if prefetch else []):
         wait = waits[earlier.name]
         if position[later.name] > position[wait.name]:
