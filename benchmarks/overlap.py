@@ -41,7 +41,7 @@ from simplefsdp.ir.hardware import get_profile
 from simplefsdp.ir.schedule import read_schedule
 from simplefsdp.ir.simulator import simulate
 from simplefsdp.models.llama import build_model, get_config
-from simplefsdp.passes.install import OverlapPasses
+from simplefsdp.passes.install import OverlapPasses, graph_phase
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
 from simplefsdp.runtime.sharding import shard_parameters
@@ -71,7 +71,7 @@ def pytorch_bucketing(gm: fx.GraphModule) -> None:
 def pytorch_overlap(gm: fx.GraphModule) -> None:
     from torch._inductor.fx_passes import overlap_scheduling
 
-    phase = _phase(gm)
+    phase = graph_phase(gm.graph)
     priced = {node.name: node for node in read_schedule(gm, phase).nodes}
 
     def roofline_ms(node: fx.Node) -> float:
@@ -112,11 +112,6 @@ SCHEDULES: dict[str, Callable[[fx.GraphModule], None] | None] = {
 }
 
 
-def _phase(gm: fx.GraphModule) -> str:
-    tangents = any(node.name.startswith("tangents") for node in gm.graph.find_nodes(op="placeholder"))
-    return "backward" if tangents else "forward"
-
-
 def row(name: str, forward: fx.GraphModule, backward: fx.GraphModule) -> str:
     rewrite = SCHEDULES[name]
     started = time.perf_counter()
@@ -126,7 +121,7 @@ def row(name: str, forward: fx.GraphModule, backward: fx.GraphModule) -> str:
             gm = copy.deepcopy(gm)
             if rewrite is not None:
                 rewrite(gm)
-            schedules.append(read_schedule(gm, _phase(gm)))
+            schedules.append(read_schedule(gm, graph_phase(gm.graph)))
     except Exception as error:  # a baseline that fails on these graphs is reported, not hidden
         return f"| {name} | failed: {type(error).__name__}: {str(error).splitlines()[0][:100]} | | | | |"
     prediction = simulate(*schedules, HARDWARE, COMPUTE_DTYPE)

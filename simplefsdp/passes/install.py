@@ -43,8 +43,7 @@ class OverlapPasses(CustomGraphPass):
         self.plans: list[tuple[BucketPlan, ReorderPlan | None]] = []
 
     def __call__(self, graph: fx.Graph) -> None:
-        phase = "backward" if any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder")) \
-            else "forward"
+        phase = graph_phase(graph)
         bucket_plan = self.plan_buckets(read_schedule(graph.owning_module, phase))
         apply_buckets(graph, bucket_plan)
         reorder_plan = None
@@ -69,6 +68,12 @@ class OverlapPasses(CustomGraphPass):
         for path in _SOURCES:
             digest.update(path.read_bytes())
         return digest.digest()
+
+
+def graph_phase(graph: fx.Graph) -> str:
+    """``"backward"`` for a graph that takes output gradients (``tangents_*`` inputs), else ``"forward"``."""
+    tangents = any(node.name.startswith("tangents") for node in graph.find_nodes(op="placeholder"))
+    return "backward" if tangents else "forward"
 
 
 def inductor_options(passes: OverlapPasses, compile_options: dict[str, Any]) -> dict[str, Any]:
