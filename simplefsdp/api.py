@@ -8,6 +8,9 @@ from typing import Any, Callable, TypeVar
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from simplefsdp.passes.bucket_plan import BucketMode
+from simplefsdp.passes.install import OverlapPasses, inductor_options
+from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.compile import check_compile_options, compile_in_place
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, default_mesh
@@ -32,6 +35,10 @@ def compile_sharded(
     reshard_after_forward: bool = True,
     compile: bool = True,
     backend: str | Callable = "inductor",
+    buckets: BucketMode = "auto",
+    reorder: bool = True,
+    prefetch: int = 1,
+    memory_budget: int | None = None,
     **compile_options: Any,
 ) -> ModuleT | Callable[[ModuleT], ModuleT]:
     """Shard ``model``'s parameters over the data-parallel mesh and compile its forward, in place.
@@ -42,22 +49,33 @@ def compile_sharded(
     ``no_sync()`` context manager for gradient accumulation without communication.
     Called without ``model`` it returns a decorator.
     Every argument is checked before any collective runs.
+
+    With the Inductor backend our passes bucket and reorder the collectives of
+    both graphs: ``buckets`` is ``"auto"`` (cost model, within ``memory_budget``
+    bytes of gathered parameters in flight), ``"block"`` (one bucket per
+    repeated block, plus head and tail), ``None``, or a manual plan of module
+    names (``[["tok_embeddings"], ["layers.0"], ...]``); ``reorder`` prefetches
+    all-gathers ``prefetch`` buckets ahead and sinks waits.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
         raise TypeError(f"mp_policy must be simplefsdp.MixedPrecision or None, got {type(mp_policy).__name__}")
     check_compile_options(compile_options)
+    check_pass_options(model if isinstance(model, nn.Module) else None, buckets, reorder, prefetch, memory_budget)
     if model is None:
         return functools.partial(
             compile_sharded, mesh=mesh, mode=mode, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-            compile=compile, backend=backend, **compile_options,
+            compile=compile, backend=backend, buckets=buckets, reorder=reorder, prefetch=prefetch,
+            memory_budget=memory_budget, **compile_options,
         )
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"compile_sharded expects a torch.nn.Module, got {type(model).__name__}; "
             "wrap plain functions in an nn.Module first"
         )
+    if compile and backend == "inductor" and (buckets is not None or reorder):
+        compile_options = inductor_options(OverlapPasses(buckets, reorder, prefetch, memory_budget), compile_options)
     check_not_sharded(model)
     mesh = mesh if mesh is not None else default_mesh(mode)
     check_mesh(mesh, mode)

@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the sharded model eagerly")
+    parser.add_argument("--buckets", default="auto", choices=("auto", "block", "none"),
+                        help="bucketing of the collectives (none: one collective per parameter)")
+    parser.add_argument("--no-reorder", dest="reorder", action="store_false",
+                        help="keep the traced order of the collectives (no prefetching)")
     parser.set_defaults(run=run)
 
 
@@ -99,7 +103,8 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     apply_activation_checkpointing(model.layers, args.activation_checkpointing)
     compile_sharded(
         model, mode=args.mode, mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
-        compile=args.compile, backend=args.backend,
+        compile=args.compile, backend=args.backend, buckets=None if args.buckets == "none" else args.buckets,
+        reorder=args.reorder,
     )
     if args.init_on_meta:
         torch.manual_seed(args.seed)

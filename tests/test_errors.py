@@ -87,3 +87,40 @@ def test_shapes_differ_across_ranks():
     )
     assert messages[1].startswith("the model differs between rank 1 and rank 0")
     assert all("build the same model (same config) on every rank" in message for message in messages)
+
+
+def test_unknown_bucket_mode(no_collectives):
+    with pytest.raises(ValueError, match="unknown bucket mode 'per-layer'; choose 'auto', 'block', None, or a manual"):
+        compile_sharded(nn.Linear(4, 4), buckets="per-layer")
+
+
+def test_manual_plan_names_a_missing_module(no_collectives):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="does not have: 'layers.0'; valid names: 0, 1"):
+        compile_sharded(model, buckets=[["0"], ["layers.0"]])
+
+
+def test_manual_plan_puts_a_parameter_in_two_buckets(no_collectives):
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="parameter '0.0.weight' is in 2 buckets .* one bucket only"):
+        compile_sharded(model, buckets=[["0"], ["0.0", "1"]])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"buckets": [["0"], "1"]}, "buckets must be 'auto', 'block', None or a list of lists of module names"),
+        ({"prefetch": -1}, "prefetch must be a whole number of buckets"),
+        ({"reorder": "yes"}, "reorder must be True or False"),
+        ({"memory_budget": 0}, "memory_budget must be a positive number of bytes"),
+        ({"options": {"post_grad_custom_post_pass": None}}, "post_grad_custom_post_pass'\\] is taken by simplefsdp"),
+    ],
+)
+def test_bad_pass_options(no_collectives, options, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        compile_sharded(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), **options)
+
+
+def test_decorator_form_checks_bucket_mode_at_once():
+    with pytest.raises(ValueError, match="unknown bucket mode"):
+        compile_sharded(buckets="layers")

@@ -14,11 +14,32 @@ from scenarios import build, run_jobs, train_reference
 
 INDUCTOR = {"backend": "inductor"}
 EAGER = {"compile": False}
+PASSES_OFF = {**INDUCTOR, "buckets": None, "reorder": False}
+KEEP_UNSHARDED = {"reshard_after_forward": False}
+MANUAL_PLAN = [["tok_embeddings"], ["layers.0", "layers.1"], ["norm", "output"]]
+# Passes on, each bucket mode with reorder on and off, resharding on and off (compile_sharded's default is
+# buckets="auto", reorder=True, so "fully_shard-inductor" and "...-keep-unsharded" are the auto jobs).
+PASS_JOBS = {
+    "fully_shard-inductor": "passes-off-inductor",
+    "fully_shard-inductor-keep-unsharded": "passes-off-inductor-keep-unsharded",
+    "block-inductor": "passes-off-inductor",
+    "block-no-reorder-inductor-keep-unsharded": "passes-off-inductor-keep-unsharded",
+    "manual-no-reorder-inductor": "passes-off-inductor",
+    "no-buckets-reorder-inductor-keep-unsharded": "passes-off-inductor-keep-unsharded",
+    "linear_7x5-inductor": "linear_7x5-passes-off-inductor",  # uneven shards: 5 rows over 2 ranks, padded
+}
 
 TWO_RANK_JOBS = {
     "fully_shard-eager": ("llama", "simplefsdp", EAGER),
     "fully_shard-inductor": ("llama", "simplefsdp", INDUCTOR),
-    "fully_shard-inductor-keep-unsharded": ("llama", "simplefsdp", {**INDUCTOR, "reshard_after_forward": False}),
+    "fully_shard-inductor-keep-unsharded": ("llama", "simplefsdp", {**INDUCTOR, **KEEP_UNSHARDED}),
+    "passes-off-inductor": ("llama", "simplefsdp", PASSES_OFF),
+    "passes-off-inductor-keep-unsharded": ("llama", "simplefsdp", {**PASSES_OFF, **KEEP_UNSHARDED}),
+    "block-inductor": ("llama", "simplefsdp", {**INDUCTOR, "buckets": "block"}),
+    "block-no-reorder-inductor-keep-unsharded": (
+        "llama", "simplefsdp", {**INDUCTOR, **KEEP_UNSHARDED, "buckets": "block", "reorder": False}),
+    "manual-no-reorder-inductor": ("llama", "simplefsdp", {**INDUCTOR, "buckets": MANUAL_PLAN, "reorder": False}),
+    "no-buckets-reorder-inductor-keep-unsharded": ("llama", "simplefsdp", {**INDUCTOR, **KEEP_UNSHARDED, "buckets": None}),
     "replicate-eager": ("llama", "simplefsdp", {**EAGER, "mode": "replicate"}),
     "replicate-inductor": ("llama", "simplefsdp", {**INDUCTOR, "mode": "replicate"}),
     "fully_shard-aot_eager": ("llama", "simplefsdp", {"backend": "aot_eager"}),
@@ -31,6 +52,7 @@ TWO_RANK_JOBS = {
         for name, options in (("eager", EAGER), ("inductor", INDUCTOR))
     },
     "graph_break-inductor": ("graph_break", "simplefsdp", INDUCTOR),
+    "linear_7x5-passes-off-inductor": ("linear_7x5", "simplefsdp", PASSES_OFF),
 }
 FOUR_RANK_JOBS = {
     "hybrid_shard-eager": ("llama", "simplefsdp", {**EAGER, "mode": "hybrid_shard", "mesh_shape": (2, 2)}),
@@ -87,6 +109,13 @@ def test_parameters_and_gradients_are_sharded_dtensors(results, job):
                 assert rank["grad_placements"][name] == ("DTensor", expected), name
             else:
                 assert rank["grad_placements"][name] is None, f"frozen {name} got a gradient"
+
+
+@pytest.mark.parametrize("job", PASS_JOBS)
+def test_passes_leave_numerics_bitwise_unchanged(results, job):
+    for ours, without in zip(results[job], results[PASS_JOBS[job]]):
+        assert all(torch.equal(a, b) for a, b in zip(ours["losses"], without["losses"]))
+        assert all(torch.equal(ours["params"][n], without["params"][n]) for n in without["params"])
 
 
 def test_losses_bitwise_equal_fsdp2_eager(results):

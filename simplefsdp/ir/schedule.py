@@ -31,6 +31,7 @@ _functional = torch.ops._c10d_functional
 _COLLECTIVES = {
     _functional.all_gather_into_tensor.default: ("all_gather", 1, "output"),
     _functional.all_gather_into_tensor_coalesced.default: ("all_gather", 1, "output"),
+    _functional.all_gather_into_tensor_out.default: ("all_gather", 1, "output"),
     _functional.reduce_scatter_tensor.default: ("reduce_scatter", 2, "input"),
     _functional.reduce_scatter_tensor_coalesced.default: ("reduce_scatter", 2, "input"),
     _functional.all_reduce.default: ("all_reduce", None, "input"),

@@ -1,0 +1,29 @@
+"""Bucket apply: rewrite an FX graph so each planned bucket becomes one collective.
+
+An all-gather bucket becomes one all-gather into a flat buffer (placed where
+the bucket's first all-gather was) with copy-out views; a reduce-scatter bucket
+one reduce-scatter of a flat buffer (placed after the bucket's last one, when
+all its gradients exist) with copy-in. Every element is reduced with the same
+peers in the same order as before, so numerics are bitwise unchanged.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from simplefsdp.passes.bucket_plan import BucketPlan
+from simplefsdp.passes.inductor_internals import merge_all_gathers, merge_reduce_scatters, topological_sort
+
+
+def apply_buckets(graph: fx.Graph, plan: BucketPlan) -> None:
+    """Merge each bucket of ``plan`` (more than one collective) in ``graph``, in place."""
+    by_name = {node.name: node for node in graph.nodes}
+    for bucket in plan.buckets:
+        if len(bucket.collectives) < 2:
+            continue
+        nodes = [by_name[name] for name in bucket.collectives]
+        if bucket.kind == "all_gather":
+            merge_all_gathers(graph, nodes)
+        else:
+            merge_reduce_scatters(graph, nodes)
+    topological_sort(graph)

@@ -1,0 +1,131 @@
+"""Bucket planning: which collectives of one graph are merged into one.
+
+A plan is a pure function of a ``Schedule`` (see ``simplefsdp.ir.schedule``)
+and a bucket mode, returned as plain data. Each bucket lists the collectives it
+merges and the FQNs of the modules whose parameters they carry (forward and
+recomputed all-gathers, and backward reduce-scatters, are planned separately,
+one graph at a time). A bucket never mixes collective kinds, process groups or
+dtypes: collectives that share a bucket name but differ in any of these form
+separate buckets under that name.
+
+Modes:
+
+- ``None``: no bucketing (an empty plan).
+- ``"block"``: one bucket per repeated child block, i.e. per module FQN prefix
+  ending in a list index such as ``layers.0``; the other collectives form a
+  ``head`` bucket (modules that run before the blocks in the forward: the
+  embedding) and a ``tail`` bucket (after them: final norm and output). The
+  backward runs the model in reverse, so there the tail comes first.
+- a list of lists of module FQN prefixes (a manual plan): bucket ``i`` takes
+  every collective owned by a module under one of the prefixes of list ``i``;
+  collectives under no prefix stay unbucketed.
+- ``"auto"``: see ``simplefsdp.passes.auto_buckets``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+from simplefsdp.ir.schedule import Schedule, ScheduleNode
+
+BUCKETED_KINDS = ("all_gather", "reduce_scatter")
+BLOCK_MODES = (None, "block", "auto")
+BucketMode = Union[None, str, Sequence[Sequence[str]]]
+
+_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Collectives (node names, program order) merged into one, and the module FQNs that own them."""
+
+    name: str
+    kind: str
+    collectives: tuple[str, ...]
+    owners: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The buckets of one graph (``phase`` is ``"forward"`` or ``"backward"``), in program order."""
+
+    phase: str
+    buckets: tuple[Bucket, ...]
+
+    def __str__(self) -> str:
+        lines = [f"{self.phase}: {len(self.buckets)} bucket(s)"]
+        for bucket in self.buckets:
+            owners = ", ".join(dict.fromkeys(bucket.owners))
+            lines.append(f"  {bucket.kind} {bucket.name}: {len(bucket.collectives)} collective(s) [{owners}]")
+        return "\n".join(lines)
+
+
+def plan_buckets(schedule: Schedule, mode: BucketMode) -> BucketPlan:
+    """Group ``schedule``'s all-gathers and reduce-scatters into buckets by ``mode`` (``"auto"`` excluded)."""
+    if mode is None:
+        return BucketPlan(schedule.phase, ())
+    if mode == "block":
+        names = block_names(schedule, bucketable(schedule))
+    elif isinstance(mode, str):
+        raise ValueError(f"plan_buckets takes None, 'block' or a manual plan, got {mode!r}")
+    else:
+        names = _manual_names(schedule, mode)
+    return group_collectives(schedule, names)
+
+
+def bucketable(schedule: Schedule) -> list[ScheduleNode]:
+    """The collectives a plan may bucket: all-gathers and reduce-scatters, program order."""
+    return [node for node in schedule.collectives() if node.collective.kind in BUCKETED_KINDS]
+
+
+def group_collectives(schedule: Schedule, names: dict[str, str]) -> BucketPlan:
+    """Buckets from a collective-name → bucket-name map, split by kind, process group and dtype."""
+    groups: dict[tuple, list[ScheduleNode]] = {}
+    for node in bucketable(schedule):
+        if node.name in names:
+            collective = node.collective
+            key = (names[node.name], collective.kind, collective.group_name, collective.dtype)
+            groups.setdefault(key, []).append(node)
+    buckets = [
+        Bucket(name, kind, tuple(n.name for n in nodes), tuple(n.fqn for n in nodes))
+        for (name, kind, _, _), nodes in groups.items()
+    ]
+    return BucketPlan(schedule.phase, tuple(buckets))
+
+
+def block_of(fqn: str) -> str | None:
+    """The repeated block ``fqn`` lies in (``layers.3.attention.wq`` → ``layers.3``), or None."""
+    match = _BLOCK.match(fqn)
+    return match.group(1) if match else None
+
+
+def block_names(schedule: Schedule, nodes: list[ScheduleNode]) -> dict[str, str]:
+    """Node name → its block, or ``head`` / ``tail`` for nodes before / after the blocks in the forward."""
+    before, after = ("head", "tail") if schedule.phase == "forward" else ("tail", "head")
+    names, seen_block = {}, False
+    for node in nodes:
+        block = block_of(node.fqn)
+        seen_block = seen_block or block is not None
+        names[node.name] = block or (after if seen_block else before)
+    return names
+
+
+def _manual_names(schedule: Schedule, plan: Sequence[Sequence[str]]) -> dict[str, str]:
+    names = {}
+    for node in bucketable(schedule):
+        matches = [prefixes for prefixes in plan if any(covers(prefix, node.fqn) for prefix in prefixes)]
+        if len(matches) > 1:
+            raise ValueError(
+                f"module {node.fqn!r} is in {len(matches)} buckets of the manual plan ({matches}); "
+                "name each module in one bucket only"
+            )
+        if matches:
+            names[node.name] = "+".join(matches[0])
+    return names
+
+
+def covers(prefix: str, fqn: str) -> bool:
+    """Whether module ``fqn`` is ``prefix`` or lies under it (``""`` covers everything)."""
+    return prefix == "" or fqn == prefix or fqn.startswith(prefix + ".")

@@ -1,0 +1,40 @@
+"""Every private PyTorch Inductor API the passes use, in one place (tested in tests/test_passes.py).
+
+- ``merge_all_gathers`` / ``merge_reduce_scatters``: Inductor's FX bucketing
+  (``torch._inductor.fx_passes.bucketing``) merges a list of collectives into
+  one collective on a flat buffer, with copy-in (``cat``) and copy-out
+  (``split`` + ``reshape``) views; padding for uneven shards happens before the
+  all-gather and after the reduce-scatter, outside the merged region.
+- ``pin_order``: ``control_dependencies.preserve_node_ordering`` adds
+  dependencies that Inductor's scheduler (``reorder_for_peak_memory`` and
+  friends) must respect.
+- ``topological_sort``: Inductor's stable topological sort of an FX graph.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+from torch._inductor.fx_passes.bucketing import merge_all_gather_bucket, merge_reduce_scatter_bucket
+from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.utils._ordered_set import OrderedSet
+
+
+def merge_all_gathers(graph: fx.Graph, all_gathers: list[fx.Node]) -> None:
+    """Replace ``all_gathers`` (each with one wait) by one all-gather placed where the first one was."""
+    merge_all_gather_bucket(graph, all_gathers, mode="default", insert_before=all_gathers[0])
+
+
+def merge_reduce_scatters(graph: fx.Graph, reduce_scatters: list[fx.Node]) -> None:
+    """Replace ``reduce_scatters`` (each with one wait) by one reduce-scatter placed after the last one."""
+    merge_reduce_scatter_bucket(graph, reduce_scatters, mode="default", insert_before=reduce_scatters[-1].next)
+
+
+def topological_sort(graph: fx.Graph) -> None:
+    """Reorder ``graph`` so each node follows its inputs, moving as few nodes as possible."""
+    stable_topological_sort(graph)
+
+
+def pin_order(graph: fx.Graph, after: dict[fx.Node, list[fx.Node]]) -> None:
+    """Make each node of ``after`` run after the nodes it maps to, in Inductor's scheduler too."""
+    preserve_node_ordering(graph, {node: OrderedSet(deps) for node, deps in after.items() if deps})

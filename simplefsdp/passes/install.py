@@ -1,0 +1,88 @@
+"""Our passes as one Inductor ``post_grad_custom_post_pass``, scoped to one compiled model.
+
+``OverlapPasses`` reads each post-grad graph (forward or backward) into a
+schedule, plans and applies bucketing, then plans and applies reordering on the
+bucketed graph. It is handed to ``torch.compile(options=...)`` of one model
+only (``inductor_options``), so other models compiled in the process are
+unaffected. Its ``uuid()`` hashes the source of this package's pass files and
+the options, so Inductor's FX graph cache stays valid when either changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from simplefsdp.ir.hardware import get_profile
+from simplefsdp.ir.schedule import read_schedule
+from simplefsdp.passes.auto_buckets import plan_auto_buckets
+from simplefsdp.passes.bucket_apply import apply_buckets
+from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan, plan_buckets
+from simplefsdp.passes.reorder import ReorderPlan, apply_reorder, plan_reorder
+
+_SOURCES = sorted(Path(__file__).parent.glob("*.py")) + sorted((Path(__file__).parent.parent / "ir").glob("*.py"))
+
+
+class OverlapPasses(CustomGraphPass):
+    """Bucket (``buckets``) then reorder (``reorder``, ``prefetch`` buckets ahead) one graph, in place.
+
+    ``plans`` collects what was planned for each graph compiled (phase, bucket plan, reorder plan).
+    """
+
+    def __init__(self, buckets: BucketMode = "auto", reorder: bool = True, prefetch: int = 1,
+                 memory_budget: int | None = None, hardware: str = "h100") -> None:
+        self.buckets = buckets
+        self.reorder = reorder
+        self.prefetch = prefetch
+        self.memory_budget = memory_budget
+        self.hardware = hardware
+        self.plans: list[tuple[BucketPlan, ReorderPlan | None]] = []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        phase = graph_phase(graph)
+        bucket_plan = self.plan_buckets(read_schedule(graph.owning_module, phase))
+        apply_buckets(graph, bucket_plan)
+        reorder_plan = None
+        if self.reorder:
+            reorder_plan = plan_reorder(read_schedule(graph.owning_module, phase), self.prefetch)
+            apply_reorder(graph, reorder_plan)
+        graph.owning_module.recompile()
+        self.plans.append((bucket_plan, reorder_plan))
+
+    def plan_buckets(self, schedule) -> BucketPlan:
+        """The bucket plan of ``schedule`` for this pass's options."""
+        if self.buckets == "auto":
+            return plan_auto_buckets(schedule, get_profile(self.hardware), self.memory_budget, self.prefetch)
+        return plan_buckets(schedule, self.buckets)
+
+    def options(self) -> dict[str, Any]:
+        return dict(buckets=self.buckets, reorder=self.reorder, prefetch=self.prefetch,
+                    memory_budget=self.memory_budget, hardware=self.hardware)
+
+    def uuid(self) -> bytes:
+        digest = hashlib.sha256(repr(sorted(self.options().items())).encode())
+        for path in _SOURCES:
+            digest.update(path.read_bytes())
+        return digest.digest()
+
+
+def graph_phase(graph: fx.Graph) -> str:
+    """``"backward"`` for a graph that takes output gradients (``tangents_*`` inputs), else ``"forward"``."""
+    tangents = any(node.name.startswith("tangents") for node in graph.find_nodes(op="placeholder"))
+    return "backward" if tangents else "forward"
+
+
+def inductor_options(passes: OverlapPasses, compile_options: dict[str, Any]) -> dict[str, Any]:
+    """``compile_options`` with ``passes`` added to its Inductor ``options`` (the user's other options kept)."""
+    options = dict(compile_options.get("options") or {})
+    if "post_grad_custom_post_pass" in options:
+        raise ValueError(
+            "options['post_grad_custom_post_pass'] is taken by simplefsdp's bucketing and reordering; "
+            "pass buckets=None, reorder=False to compile with your own pass instead"
+        )
+    options["post_grad_custom_post_pass"] = passes
+    return {**compile_options, "options": options}

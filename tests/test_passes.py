@@ -1,0 +1,215 @@
+"""Bucketing and reordering passes on the fake process group (world size 8, one process).
+
+Plans are checked on the schedules of the ``debug`` model (2 layers) traced once
+without code generation; the FX rewrites are checked on those graphs; one
+Inductor compile checks that the order survives into the generated code.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+from torch.distributed.device_mesh import init_device_mesh
+
+from simplefsdp import compile_sharded
+from simplefsdp.ir.capture import capture_graphs
+from simplefsdp.ir.hardware import get_profile
+from simplefsdp.ir.schedule import read_schedule
+from simplefsdp.models.llama import build_model, get_config
+from simplefsdp.passes.auto_buckets import plan_auto_buckets
+from simplefsdp.passes.bucket_plan import plan_buckets
+from simplefsdp.passes.install import OverlapPasses
+from simplefsdp.passes.reorder import plan_reorder
+from simplefsdp.runtime.fake_world import fake_world
+from simplefsdp.runtime.replicate_compute import ReplicateComputation
+from simplefsdp.runtime.sharding import shard_parameters
+
+LAYERS = get_config("debug").n_layers
+TOKENS = (2, 16)
+MANUAL = [["tok_embeddings"], ["layers.0", "layers.1"], ["norm", "output"]]
+
+
+def traced(reshard_after_forward: bool):
+    """The debug model's forward and backward graphs (min-cut partitioned as Inductor) on 8 fake ranks."""
+    torch.manual_seed(0)
+    model = build_model("debug")
+    shard_parameters(model, init_device_mesh("cpu", (8,)), "fully_shard",
+                     ReplicateComputation(None, None, reshard_after_forward))
+    torch._dynamo.reset()
+    graphs = capture_graphs(model, (torch.randint(0, 256, TOKENS),), fused_attention=False)
+    return graphs, read_schedule(graphs.forward, "forward"), read_schedule(graphs.backward, "backward")
+
+
+@pytest.fixture(scope="module")
+def world():
+    """One fake world of 8 ranks for the whole module (the rewrites look its process group up)."""
+    with fake_world(8):
+        yield
+
+
+@pytest.fixture(scope="module")
+def resharded(world):
+    return traced(reshard_after_forward=True)
+
+
+@pytest.fixture(scope="module")
+def kept(world):
+    return traced(reshard_after_forward=False)
+
+
+def kinds(plan) -> list[tuple[str, str]]:
+    return [(bucket.kind, bucket.name) for bucket in plan.buckets]
+
+
+def collectives(graph: torch.fx.Graph, kind: str) -> int:
+    prefix = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}[kind]
+    return sum(node.op == "call_function" and str(node.target).startswith(f"_c10d_functional.{prefix}")
+               for node in graph.nodes)
+
+
+def test_block_plan_has_one_bucket_per_layer_plus_head_and_tail(resharded):
+    _, forward, backward = resharded
+    layers = [f"layers.{i}" for i in range(LAYERS)]
+    assert kinds(plan_buckets(forward, "block")) == [("all_gather", n) for n in ["head", *layers, "tail"]]
+    # The backward re-gathers every bucket but the embedding's: its backward never reads the weight.
+    backward_plan = plan_buckets(backward, "block")
+    reversed_layers = layers[::-1]
+    assert [n for k, n in kinds(backward_plan) if k == "all_gather"] == ["tail", *reversed_layers]
+    assert [n for k, n in kinds(backward_plan) if k == "reduce_scatter"] == ["tail", *reversed_layers, "head"]
+    tail = next(b for b in backward_plan.buckets if b.kind == "reduce_scatter" and b.name == "tail")
+    assert tail.owners == ("output", "norm")
+
+
+def test_manual_and_no_plans(resharded):
+    _, forward, _ = resharded
+    plan = plan_buckets(forward, MANUAL)
+    assert kinds(plan) == [("all_gather", "tok_embeddings"), ("all_gather", "layers.0+layers.1"),
+                           ("all_gather", "norm+output")]
+    assert len(plan.buckets[1].collectives) == 18
+    assert plan_buckets(forward, None).buckets == ()
+    with pytest.raises(ValueError, match="'layers.0.attention.wq' is in 2 buckets"):
+        plan_buckets(forward, [["layers.0"], ["layers.0.attention"]])
+
+
+def test_plan_prints_buckets_and_owners(resharded):
+    _, forward, _ = resharded
+    text = str(plan_buckets(forward, MANUAL))
+    assert text.splitlines()[0] == "forward: 3 bucket(s)"
+    assert "  all_gather norm+output: 2 collective(s) [norm, output]" in text
+
+
+def test_auto_plan_merges_whole_blocks_within_the_budget(resharded):
+    _, forward, backward = resharded
+    h100 = get_profile("h100")
+    for schedule in (forward, backward):
+        block = plan_buckets(schedule, "block")
+        auto = plan_auto_buckets(schedule, h100)
+        assert sorted(c for b in auto.buckets for c in b.collectives) == sorted(
+            c for b in block.buckets for c in b.collectives)
+        for bucket in auto.buckets:  # each auto bucket is a run of whole block buckets
+            names = bucket.name.split("+")
+            parts = [b for b in block.buckets if b.kind == bucket.kind and b.name in names]
+            assert tuple(c for b in parts for c in b.collectives) == bucket.collectives
+        assert kinds(plan_auto_buckets(schedule, h100, memory_budget=1)) == kinds(block)
+    # With compute much slower than communication and a roomy budget, each layer hides behind the one before.
+    slow_compute = dataclasses.replace(h100, flops_per_s={"float32": 1e6}, memory_bandwidth=1e6)
+    merged = plan_auto_buckets(forward, slow_compute, memory_budget=1 << 40)
+    assert kinds(merged) == [("all_gather", "head"), ("all_gather", "+".join(
+        [f"layers.{i}" for i in range(LAYERS)] + ["tail"]))]
+
+
+def test_reorder_prefetches_each_bucket_behind_the_previous(resharded):
+    graphs, _, _ = resharded
+    forward = copy.deepcopy(graphs.forward)
+    OverlapPasses("block", reorder=False)(forward.graph)
+    bucketed = read_schedule(forward, "forward")
+    all_gathers = [n.name for n in bucketed.collectives() if n.collective.kind == "all_gather"]
+    waits = {n.waits_for: n.name for n in bucketed.nodes if n.kind == "wait"}
+    plan = plan_reorder(bucketed, prefetch=1)
+    assert [(p.collective, p.after) for p in plan.prefetches if p.after] == [
+        (later, waits[earlier]) for earlier, later in zip(all_gathers, all_gathers[1:])]
+    # Only the first all-gather may be issued at the start of the graph, before any compute.
+    assert {p.collective for p in plan.prefetches if p.after is None} <= {all_gathers[0]}
+    two_ahead = plan_reorder(bucketed, prefetch=2)
+    assert [p.collective for p in two_ahead.prefetches if p.after] == all_gathers[2:]
+    assert plan_reorder(bucketed, prefetch=0).prefetches == ()
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_block_buckets_rewrite_the_graphs(resharded, kept, reshard):
+    graphs, _, _ = resharded if reshard else kept
+    forward, backward = copy.deepcopy(graphs.forward).graph, copy.deepcopy(graphs.backward).graph
+    before = collectives(forward, "all_gather"), collectives(backward, "all_gather")
+    passes = OverlapPasses("block", reorder=True)
+    passes(forward)
+    passes(backward)
+    assert collectives(forward, "all_gather") == LAYERS + 2
+    assert collectives(backward, "reduce_scatter") == LAYERS + 2
+    assert collectives(backward, "all_gather") == (LAYERS + 1 if reshard else 0)
+    assert before[0] > LAYERS + 2
+    forward.lint()
+    backward.lint()
+
+
+def test_pass_uuid_follows_options():
+    block = OverlapPasses("block").uuid()
+    assert block == OverlapPasses("block").uuid()
+    assert block != OverlapPasses("block", prefetch=2).uuid()
+    assert block != OverlapPasses(MANUAL).uuid()
+
+
+class TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+def linears(model: nn.Module) -> int:
+    return sum(isinstance(m, nn.Linear) for m in model.modules())
+
+
+def test_generated_code_prefetches_each_layer_and_other_models_are_unaffected(world):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = compile_sharded(build_model("debug"), buckets="block", prefetch=1)
+    _, (forward_code, backward_code) = run_and_get_code(lambda: model(torch.randint(0, 256, TOKENS)).sum().backward())
+    other = compile_sharded(TwoLinears(), buckets=None, reorder=False, reshard_after_forward=False)
+    _, (other_code, _) = run_and_get_code(lambda: other(torch.randn(2, 8)).sum().backward())
+    events = re.findall(r"_c10d_functional\.(all_gather_into_tensor(?:_out)?|reduce_scatter_tensor)\.default\(|"
+                        r"extern_kernels\.(mm)\(", forward_code)
+    events = [collective or matmul for collective, matmul in events]
+    assert events.count("all_gather_into_tensor") + events.count("all_gather_into_tensor_out") == LAYERS + 2
+    per_layer = linears(build_model("debug").layers[0])
+    first_matmul = [i for i, event in enumerate(events) if event == "mm"][::per_layer]
+    gathers = [i for i, event in enumerate(events) if event.startswith("all_gather")]
+    # Bucket k+1 (layer k, then the tail) is issued before the first matmul of bucket k (layer k-1).
+    for layer in range(1, LAYERS + 1):
+        assert gathers[layer + 1] < first_matmul[layer - 1], (layer, events)
+    assert len(re.findall(r"reduce_scatter_tensor\.default\(", backward_code)) == LAYERS + 2
+    assert len(re.findall(r"all_gather_into_tensor_out\.default\(", backward_code)) == LAYERS + 1
+    # The second model compiled in the same process keeps one all-gather per parameter.
+    assert len(re.findall(r"all_gather_into_tensor\.default\(", other_code)) == 4
+    assert "all_gather_into_tensor_out" not in other_code
+
+
+def test_first_gather_is_hoisted_above_compute_it_does_not_need(resharded):
+    graphs, _, _ = resharded
+    # The merged first bucket starts with its own copy-in: it must not be pinned to run after the gather.
+    forward = copy.deepcopy(graphs.forward)
+    passes = OverlapPasses([["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]], reorder=True)
+    passes(forward.graph)
+    forward.graph.lint()
+    backward = copy.deepcopy(graphs.backward)
+    passes(backward.graph)
+    backward.graph.lint()
+    hoisted = [p for _, reorder in passes.plans for p in reorder.prefetches if p.after is None]
+    assert [p.anchor for p in hoisted if p.collective.startswith("all_gather")]
