@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import inspect
 import json
 import math
 import os
@@ -53,7 +52,6 @@ from simplefsdp.train import next_token_loss
 
 REFERENCE = "fsdp2-eager"
 CHECKED = ("simplefsdp", "simplefsdp-nopasses")
-# compile_sharded's pass options (issue 4) and their "off" values; only those it accepts are passed.
 PASSES_OFF = {"buckets": None, "reorder": False}
 WINDOW = "simplefsdp.bench.profiled_step"
 METHODS = {
@@ -91,18 +89,13 @@ class Contender:
     distributed: bool = True
 
 
-def _passes_off() -> dict:
-    accepted = inspect.signature(compile_sharded).parameters
-    return {name: value for name, value in PASSES_OFF.items() if name in accepted}
-
-
 def _simplefsdp(model: nn.Module, args: argparse.Namespace, **options) -> nn.Module:
     mp_policy = MixedPrecision(args.param_dtype, args.reduce_dtype)
     return compile_sharded(model, mp_policy=mp_policy, backend=args.backend, **options)
 
 
 def _simplefsdp_passes_off(model: nn.Module, args: argparse.Namespace) -> nn.Module:
-    return _simplefsdp(model, args, **_passes_off())
+    return _simplefsdp(model, args, **PASSES_OFF)
 
 
 def _fsdp2(model: nn.Module, args: argparse.Namespace, compile_blocks: bool = False) -> nn.Module:
@@ -150,11 +143,7 @@ def _local(model: nn.Module, args: argparse.Namespace) -> nn.Module:
 
 def contenders() -> list[Contender]:
     """Every contender, the reference (FSDP2 eager) first."""
-    passes_off = _passes_off()
-    nopasses = (
-        "compile_sharded(" + ", ".join(f"{k}={v!r}" for k, v in passes_off.items()) + ")" if passes_off
-        else "compile_sharded has no pass options yet (bucketing/reordering: issue 4), so this equals simplefsdp"
-    )
+    nopasses = "compile_sharded(" + ", ".join(f"{k}={v!r}" for k, v in PASSES_OFF.items()) + ")"
     return [
         Contender(REFERENCE, "fully_shard on each block and the root, eager", _fsdp2, compiled=False),
         Contender("simplefsdp", "compile_sharded with default options", _simplefsdp),
