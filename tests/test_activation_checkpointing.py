@@ -35,6 +35,8 @@ def _all_modes():
         "none": _losses("none", {"compile": False}),
         "full": _losses("full", {"compile": False}),  # full checkpointing of sharded blocks fails in 2.13's AOTAutograd
         "selective": _losses("selective", {"backend": "aot_eager"}),  # compiled graphs; codegen is not what is tested
+        # Inductor with the default bucketing and reordering passes: rounding may differ from eager.
+        "selective-inductor-passes": _losses("selective", {"backend": "inductor", "buckets": "auto", "reorder": True}),
     }
 
 
@@ -42,6 +44,7 @@ def test_checkpointing_leaves_losses_unchanged():
     for losses in run_on_ranks(2, _all_modes):
         assert losses["full"] == losses["none"]
         assert losses["selective"] == losses["none"]
+        assert losses["selective-inductor-passes"] == pytest.approx(losses["none"], rel=1e-5)
 
 
 def test_unknown_mode_is_rejected():
