@@ -6,7 +6,6 @@ import xml.etree.ElementTree as ElementTree
 import networkx as nx
 import pytest
 import torch
-from expecttest import assert_expected_inline
 from torch import nn
 
 import simplefsdp
