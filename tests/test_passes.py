@@ -22,8 +22,8 @@ from simplefsdp.ir.capture import capture_graphs
 from simplefsdp.ir.hardware import get_profile
 from simplefsdp.ir.schedule import read_schedule
 from simplefsdp.models.llama import build_model, get_config
-from simplefsdp.passes.auto_buckets import plan_auto_buckets
-from simplefsdp.passes.bucket_plan import plan_buckets
+from simplefsdp.passes.auto_buckets import module_names, plan_auto_buckets
+from simplefsdp.passes.bucket_plan import bucketable, group_collectives, plan_buckets
 from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.reorder import plan_reorder
 from simplefsdp.runtime.fake_world import fake_world
@@ -104,24 +104,32 @@ def test_plan_prints_buckets_and_owners(resharded):
     assert "  all_gather norm+output: 2 collective(s) [norm, output]" in text
 
 
-def test_auto_plan_merges_whole_blocks_within_the_budget(resharded):
+def test_auto_plan_merges_whole_units_within_the_budget(resharded):
     _, forward, backward = resharded
     h100 = get_profile("h100")
     for schedule in (forward, backward):
         block = plan_buckets(schedule, "block")
+        modules = group_collectives(schedule, module_names(bucketable(schedule)))
         auto = plan_auto_buckets(schedule, h100)
         assert sorted(c for b in auto.buckets for c in b.collectives) == sorted(
             c for b in block.buckets for c in b.collectives)
-        for bucket in auto.buckets:  # each auto bucket is a run of whole block buckets
-            names = bucket.name.split("+")
-            parts = [b for b in block.buckets if b.kind == bucket.kind and b.name in names]
+        for bucket in auto.buckets:  # all-gathers merge whole module units, reduce-scatters whole blocks
+            units = modules if bucket.kind == "all_gather" else block
+            parts = [b for b in units.buckets if b.kind == bucket.kind and b.name in bucket.name.split("+")]
             assert tuple(c for b in parts for c in b.collectives) == bucket.collectives
-        assert kinds(plan_auto_buckets(schedule, h100, memory_budget=1)) == kinds(block)
-    # With compute much slower than communication and a roomy budget, each layer hides behind the one before.
+        unmerged = plan_auto_buckets(schedule, h100, memory_budget=1)
+        assert [b for b in kinds(unmerged) if b[0] == "all_gather"] == [
+            b for b in kinds(modules) if b[0] == "all_gather"]
+        assert [b for b in kinds(unmerged) if b[0] == "reduce_scatter"] == [
+            b for b in kinds(block) if b[0] == "reduce_scatter"]
+    first_layer = [name for kind, name in kinds(group_collectives(forward, module_names(bucketable(forward)))) if name.startswith("layers.0.")]
+    assert first_layer == ["layers.0.attention_norm", "layers.0.attention", "layers.0.ffn_norm",
+                           "layers.0.feed_forward"]
+    # With compute much slower than communication and a roomy budget, everything hides behind the embedding.
     slow_compute = dataclasses.replace(h100, flops_per_s={"float32": 1e6}, memory_bandwidth=1e6)
     merged = plan_auto_buckets(forward, slow_compute, memory_budget=1 << 40)
-    assert kinds(merged) == [("all_gather", "head"), ("all_gather", "+".join(
-        [f"layers.{i}" for i in range(LAYERS)] + ["tail"]))]
+    assert kinds(merged)[0] == ("all_gather", "tok_embeddings")
+    assert len(merged.buckets) == 2
 
 
 def test_reorder_prefetches_each_bucket_behind_the_previous(resharded):
@@ -139,6 +147,22 @@ def test_reorder_prefetches_each_bucket_behind_the_previous(resharded):
     two_ahead = plan_reorder(bucketed, prefetch=2)
     assert [p.collective for p in two_ahead.prefetches if p.after] == all_gathers[2:]
     assert plan_reorder(bucketed, prefetch=0).prefetches == ()
+
+
+def test_pinned_nodes_keep_their_cost_in_the_schedule(resharded):
+    """Pinning wraps nodes in Inductor's ``control_deps``; the schedule must still read the op inside."""
+    graphs, _, _ = resharded
+    for gm, phase in ((graphs.forward, "forward"), (graphs.backward, "backward")):
+        before = read_schedule(gm, phase)
+        pinned = copy.deepcopy(gm)
+        OverlapPasses("block", reorder=True)(pinned.graph)
+        assert any(str(node.target) == "control_deps" for node in pinned.graph.nodes)
+        after = read_schedule(pinned, phase)
+        assert sum(n.flops for n in after.nodes) == sum(n.flops for n in before.nodes)
+        waited = {n.waits_for for n in after.nodes if n.kind == "wait"}
+        assert waited == {n.name for n in after.collectives()}
+        ops = {n.op for n in after.nodes}
+        assert "control_deps" not in ops and "aten.mm.default" in ops
 
 
 @pytest.mark.parametrize("reshard", [True, False])

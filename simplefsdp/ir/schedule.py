@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Union
+from typing import NamedTuple, Union
 
 import networkx as nx
 import sympy
 import torch
 from torch import fx
+from torch._inductor.fx_passes.control_dependencies import control_deps
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
@@ -128,22 +129,46 @@ def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | N
     return Schedule(phase, inputs, nodes, outputs, gm.code, dag)
 
 
+class _Call(NamedTuple):
+    """The op a node runs and its arguments, as nodes of the node's own graph."""
+
+    target: object
+    args: tuple
+    kwargs: dict
+
+
+def _call(fx_node: fx.Node) -> _Call:
+    """What ``fx_node`` runs. A node pinned by Inductor's ``control_deps`` (``passes.inductor_internals.pin_order``)
+    runs the one op of its subgraph; that op is returned with the pinned node's arguments.
+    """
+    if fx_node.target is not control_deps:
+        return _Call(fx_node.target, fx_node.args, fx_node.kwargs)
+    subgraph = getattr(fx_node.graph.owning_module, fx_node.args[1].target).graph
+    inner = next(node for node in subgraph.nodes if node.op == "call_function")
+    outer = dict(zip(subgraph.find_nodes(op="placeholder"), fx_node.args[2:]))
+    args, kwargs = tree_map(lambda arg: outer.get(arg, arg) if isinstance(arg, fx.Node) else arg,
+                            (inner.args, inner.kwargs))
+    return _Call(inner.target, args, kwargs)
+
+
 def _read_node(fx_node: fx.Node) -> ScheduleNode:
-    inputs = tuple(dict.fromkeys(arg.name for arg in fx_node.all_input_nodes))
-    common = dict(name=fx_node.name, op=_op_name(fx_node.target), fqn=node_fqn(fx_node), inputs=inputs)
-    target = fx_node.target
-    if target in _COLLECTIVES:
-        collective = _read_collective(fx_node)
+    call = _call(fx_node)
+    inputs = tuple(dict.fromkeys(arg.name for arg in fx_node.all_input_nodes if arg.op != "get_attr"))
+    common = dict(name=fx_node.name, op=_op_name(call.target), fqn=node_fqn(fx_node), inputs=inputs)
+    if call.target in _COLLECTIVES:
+        collective = _read_collective(fx_node, call)
         return ScheduleNode(kind=COLLECTIVE, collective=collective, bytes_written=_output_bytes(fx_node), **common)
-    if target in _WAIT_OPS:
-        source = _collective_source(fx_node.args[0])
-        return ScheduleNode(kind=WAIT, waits_for=source, alias_of=fx_node.args[0].name, **common)
-    alias = _aliased_input(fx_node)
+    if call.target in _WAIT_OPS:
+        source = _collective_source(call.args[0])
+        return ScheduleNode(kind=WAIT, waits_for=source, alias_of=call.args[0].name, **common)
+    alias = _aliased_input(call)
     if alias is not None:
         return ScheduleNode(kind=COMPUTE, alias_of=alias, **common)
-    read = sum((tensor_bytes(arg.meta["val"]) for arg in fx_node.all_input_nodes if _is_tensor_node(arg)), 0)
+    tensors = dict.fromkeys(arg for arg in tree_flatten((call.args, call.kwargs))[0]
+                            if isinstance(arg, fx.Node) and _is_tensor_node(arg))
+    read = sum((tensor_bytes(arg.meta["val"]) for arg in tensors), 0)
     return ScheduleNode(
-        kind=COMPUTE, flops=_flops(fx_node), bytes_read=read, bytes_written=_output_bytes(fx_node), **common
+        kind=COMPUTE, flops=_flops(fx_node, call), bytes_read=read, bytes_written=_output_bytes(fx_node), **common
     )
 
 
@@ -173,25 +198,24 @@ def _output_bytes(fx_node: fx.Node) -> Size:
     return sum((tensor_bytes(value) for value in values), 0)
 
 
-def _aliased_input(fx_node: fx.Node) -> str | None:
-    """The input whose storage ``fx_node``'s output shares: views by schema, and tuple items."""
-    if fx_node.target is operator.getitem:
-        return fx_node.args[0].name
-    schema = getattr(fx_node.target, "_schema", None)
+def _aliased_input(call: _Call) -> str | None:
+    """The input whose storage the output of ``call`` shares: views by schema, and tuple items."""
+    if call.target is operator.getitem:
+        return call.args[0].name
+    schema = getattr(call.target, "_schema", None)
     if schema is None or not schema.returns or schema.returns[0].alias_info is None:
         return None
     if schema.returns[0].alias_info.is_write:
         return None
-    tensors = [arg for arg in fx_node.args if isinstance(arg, fx.Node)]
+    tensors = [arg for arg in call.args if isinstance(arg, fx.Node)]
     return tensors[0].name if tensors else None
 
 
-def _flops(fx_node: fx.Node) -> Size:
-    target = fx_node.target
-    formula = flop_registry.get(getattr(target, "overloadpacket", None))
+def _flops(fx_node: fx.Node, call: _Call) -> Size:
+    formula = flop_registry.get(getattr(call.target, "overloadpacket", None))
     if formula is None:
         return 0
-    args, kwargs = tree_map(_fake_value, (fx_node.args, fx_node.kwargs))
+    args, kwargs = tree_map(_fake_value, (call.args, call.kwargs))
     return _as_size(formula(*args, **kwargs, out_val=fx_node.meta["val"]))
 
 
@@ -199,18 +223,18 @@ def _fake_value(arg):
     return arg.meta["val"] if isinstance(arg, fx.Node) else arg
 
 
-def _read_collective(fx_node: fx.Node) -> Collective:
-    kind, size_index, full_buffer = _COLLECTIVES[fx_node.target]
-    group_name = fx_node.args[-1]
+def _read_collective(fx_node: fx.Node, call: _Call) -> Collective:
+    kind, size_index, full_buffer = _COLLECTIVES[call.target]
+    group_name = call.args[-1]
     ranks = group_ranks(group_name)
-    if size_index is not None and len(ranks) != fx_node.args[size_index]:
-        ranks = tuple(range(fx_node.args[size_index]))
-    first_input = tree_flatten(fx_node.args[0])[0][0]
+    if size_index is not None and len(ranks) != call.args[size_index]:
+        ranks = tuple(range(call.args[size_index]))
+    first_input = tree_flatten(call.args[0])[0][0]
     dtype = first_input.meta["val"].dtype
     if full_buffer == "output":
         size = _output_bytes(fx_node)
     else:
-        size = sum((tensor_bytes(arg.meta["val"]) for arg in tree_flatten(fx_node.args[0])[0]), 0)
+        size = sum((tensor_bytes(arg.meta["val"]) for arg in tree_flatten(call.args[0])[0]), 0)
     return Collective(kind=kind, group_name=str(group_name), group_ranks=ranks, dtype=dtype, bytes=size)
 
 

@@ -1,11 +1,15 @@
-"""``buckets="auto"``: per-block buckets, merged where the cost model says merging is free.
+"""``buckets="auto"``: buckets merged from small units where the cost model says merging is free.
 
 Algorithm (one graph, one pass over its collectives in program order):
 
-1. Start from the ``"block"`` plan: one unit per repeated block, head and tail.
-   Each unit has its predicted communication time (``simplefsdp.ir.cost_model``
-   alpha-beta model, on the given hardware profile), its full buffer bytes, and
-   the compute time of the nodes owned by its modules (roofline).
+1. Cut the collectives into units. All-gathers: one unit per child module of a
+   repeated block (``layers.3.attention``, ``layers.3.ffn_norm``) and per
+   top-level module outside the blocks (``tok_embeddings``, ``norm``,
+   ``output``). Reduce-scatters: one unit per block, plus head and tail (the
+   ``"block"`` plan). Each unit has its predicted communication time
+   (``simplefsdp.ir.cost_model`` alpha-beta model, on the given hardware
+   profile), its full buffer bytes, and the compute time of the nodes owned by
+   its modules (roofline).
 2. Walk the units of each (kind, process group, dtype) in program order and
    grow the current bucket by the next unit while both hold:
    - the merged bucket's communication still fits under the compute it
@@ -15,9 +19,13 @@ Algorithm (one graph, one pass over its collectives in program order):
    - the gathered bytes in flight, ``(prefetch + 1)`` buckets of at most the
      merged bucket's size, stay within ``memory_budget``. The default budget is
      what per-block bucketing holds: the largest full-buffer bytes of any
-     ``prefetch + 1`` consecutive units.
+     ``prefetch + 1`` consecutive blocks.
    Merging saves one collective's latency each time, so small units (norms,
    short blocks) are merged until they would stop hiding or exceed the budget.
+   Small all-gather units let a bucket end where the compute that can hide the
+   next one ends: the first block's attention is gathered behind the
+   embedding lookup, and its feed-forward behind that attention, so only the
+   embedding's own all-gather is exposed at the start of the step.
 """
 
 from __future__ import annotations
@@ -28,8 +36,9 @@ import torch
 
 from simplefsdp.ir.cost_model import as_number, collective_seconds, node_time
 from simplefsdp.ir.hardware import HardwareProfile
-from simplefsdp.ir.schedule import COMPUTE, Schedule
-from simplefsdp.passes.bucket_plan import Bucket, BucketPlan, block_names, plan_buckets
+from simplefsdp.ir.schedule import COMPUTE, Schedule, ScheduleNode
+from simplefsdp.passes.bucket_plan import (Bucket, BucketPlan, block_names, block_of, bucketable, group_collectives,
+                                           plan_buckets)
 
 
 @dataclass
@@ -45,24 +54,49 @@ def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budg
 
     ``compute_dtype`` sets the matmul rate; by default the dtype the parameters are gathered in.
     """
-    blocks = plan_buckets(schedule, "block")
     gathered = [node.collective.dtype for node in schedule.collectives() if node.collective.kind == "all_gather"]
     compute_dtype = compute_dtype or (gathered[0] if gathered else None)
-    compute = _compute_by_block(schedule, hardware, compute_dtype)
-    streams: dict[tuple, list[_Unit]] = {}
-    for bucket in blocks.buckets:
-        first = schedule.node(bucket.collectives[0]).collective
-        size = sum(as_number(schedule.node(name).collective.bytes) for name in bucket.collectives)
-        unit = _Unit(bucket, size, compute.get(bucket.name, 0.0))
-        streams.setdefault((bucket.kind, first.group_name, first.dtype), []).append(unit)
+    computes = [node for node in schedule.nodes if node.kind == COMPUTE]
+    blocks = _streams(schedule, plan_buckets(schedule, "block"), block_names(schedule, computes), hardware,
+                      compute_dtype)
+    modules = _streams(schedule, group_collectives(schedule, module_names(bucketable(schedule))),
+                       module_names(computes), hardware, compute_dtype)
     merged = []
-    for (kind, group_name, _), units in streams.items():
+    for (kind, group_name, dtype), units in blocks.items():
         ranks = schedule.node(units[0].bucket.collectives[0]).collective.group_ranks
         budget = memory_budget if memory_budget is not None else _default_budget(units, prefetch)
+        if kind == "all_gather":
+            units = modules[kind, group_name, dtype]
         merged += _merge(units, kind, ranks, hardware, budget, prefetch)
     position = {node.name: index for index, node in enumerate(schedule.nodes)}
     merged.sort(key=lambda bucket: position[bucket.collectives[0]])
     return BucketPlan(schedule.phase, tuple(merged))
+
+
+def module_names(nodes: list[ScheduleNode]) -> dict[str, str]:
+    """Node name → its all-gather unit: the child of its block (``layers.3.attention``), or its top-level module."""
+    names = {}
+    for node in nodes:
+        block = block_of(node.fqn)
+        rest = node.fqn[len(block) + 1:] if block else node.fqn
+        child = rest.split(".")[0]
+        names[node.name] = f"{block}.{child}" if block and child else (block or child)
+    return names
+
+
+def _streams(schedule: Schedule, plan: BucketPlan, compute_names: dict[str, str], hardware: HardwareProfile,
+             compute_dtype: torch.dtype | None) -> dict[tuple, list[_Unit]]:
+    """The buckets of ``plan`` as units, by (kind, process group, dtype), program order."""
+    compute: dict[str, float] = {}
+    for name, unit in compute_names.items():
+        compute[unit] = compute.get(unit, 0.0) + node_time(schedule.node(name), hardware, compute_dtype)
+    streams: dict[tuple, list[_Unit]] = {}
+    for bucket in plan.buckets:
+        first = schedule.node(bucket.collectives[0]).collective
+        size = sum(as_number(schedule.node(name).collective.bytes) for name in bucket.collectives)
+        unit = _Unit(bucket, size, compute.get(bucket.name, 0.0))
+        streams.setdefault((bucket.kind, first.group_name, first.dtype), []).append(unit)
+    return streams
 
 
 def _merge(units: list[_Unit], kind: str, ranks: tuple[int, ...], hardware: HardwareProfile, budget: float,
@@ -93,13 +127,3 @@ def _join(buckets: list[Bucket]) -> Bucket:
 def _default_budget(units: list[_Unit], prefetch: int) -> float:
     window = prefetch + 1
     return max(sum(u.bytes for u in units[start:start + window]) for start in range(len(units)))
-
-
-def _compute_by_block(schedule: Schedule, hardware: HardwareProfile, dtype: torch.dtype | None) -> dict[str, float]:
-    """Predicted compute seconds per block name (``head`` and ``tail`` included)."""
-    computes = [node for node in schedule.nodes if node.kind == COMPUTE]
-    seconds: dict[str, float] = {}
-    names = block_names(schedule, computes)
-    for node in computes:
-        seconds[names[node.name]] = seconds.get(names[node.name], 0.0) + node_time(node, hardware, dtype)
-    return seconds
