@@ -70,9 +70,6 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.resume and latest_checkpoint(args.checkpoint_dir) is None:
         fail(f"--resume: no checkpoint to resume from in {args.checkpoint_dir} "
              "(the directory does not exist or holds no complete step-* checkpoint)")
-    if args.activation_checkpointing == "full" and args.compile and args.backend != "eager":
-        fail("--activation-checkpointing full fails inside PyTorch 2.13's AOTAutograd on sharded blocks; "
-             "use --activation-checkpointing selective, or --no-compile")
 
 
 def fail(message: str) -> None:

@@ -1,4 +1,9 @@
-"""Activation checkpointing per block: ``full`` recomputes the whole block in backward, ``selective`` keeps matmul outputs.
+"""Activation checkpointing per block: ``full`` recomputes the block in backward, ``selective`` keeps matmul outputs.
+
+``full`` keeps the outputs of ops that draw random numbers (attention has a
+dropout argument, so it counts): recomputing them makes AOTAutograd 2.13 save
+their RNG state after the DTensor mesh it saves, which misaligns its saved
+values and fails at the first step.
 
 Applied by replacing each block's ``forward`` with a checkpointed call of the
 original, so parameter names and ``state_dict`` keys do not change. Composes
@@ -29,8 +34,17 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-# A partial, not a lambda: Dynamo traces selective checkpointing only through a partial.
-_SELECTIVE = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+def _save_random_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Full policy: recompute everything except ops that draw random numbers (attention, dropout)."""
+    seeded = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+    return CheckpointPolicy.MUST_SAVE if seeded else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# Partials, not lambdas: Dynamo traces selective checkpointing only through a partial.
+_POLICIES = {
+    "selective": functools.partial(create_selective_checkpoint_contexts, _save_matmuls),
+    "full": functools.partial(create_selective_checkpoint_contexts, _save_random_ops),
+}
 
 
 def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> None:
@@ -39,6 +53,5 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> No
         raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose one of: {', '.join(AC_MODES)}")
     if mode == "none":
         return
-    options = {"context_fn": _SELECTIVE} if mode == "selective" else {}
     for block in blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, **options)
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=_POLICIES[mode])
