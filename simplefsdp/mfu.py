@@ -1,32 +1,45 @@
-"""Model FLOPs utilization: training FLOPs per token, and a small table of peak FLOP/s per device.
-
-Kept apart so it can later read the IR's FLOP count and the cost model's hardware profiles.
-"""
+"""Model FLOPs utilization: FLOPs counted on the IR's graphs over the hardware profile's peak."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from simplefsdp.models.llama import LlamaConfig
+from simplefsdp.ir.capture import capture_graphs
+from simplefsdp.ir.cost_model import as_number
+from simplefsdp.ir.hardware import BUILT_IN, cpu_profile
+from simplefsdp.ir.schedule import read_schedule
+from simplefsdp.models.llama import build_model
 
-# Dense bf16 peak FLOP/s by GPU name fragment (vendor data sheets).
-GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
-# Nominal fp32 FLOP/s of one CPU core: 2 AVX2 FMA units x 8 lanes x 2 FLOPs x ~3 GHz.
-CPU_CORE_PEAK_FLOPS = 96e9
+# GPU name fragment -> built-in profile whose data-sheet peak it shares (H200 computes like H100).
+GPU_PROFILES = {"H200": "h100", "H100": "h100", "A100": "a100"}
 
 
-def training_flops_per_token(config: LlamaConfig, num_params: int, seq_len: int) -> float:
-    """Forward plus backward FLOPs per token: 6 per matmul weight, plus 12 * layers * dim * seq_len for attention.
+def step_flops(model_name: str, batch_size: int, seq_len: int) -> float:
+    """FLOPs of one forward and backward of ``model_name`` on ``batch_size`` x ``seq_len`` tokens.
 
-    The token embedding is a lookup, not a matmul, so its weights are not counted.
+    Counted on the IR's graphs of an unsharded copy traced on the meta device
+    (sharding moves no FLOPs); activation checkpointing's recomputation is not counted.
     """
-    matmul_params = num_params - (0 if config.tie_embeddings else config.vocab_size * config.dim)
-    return 6 * matmul_params + 12 * config.n_layers * config.dim * seq_len
+    with torch.device("meta"):
+        model = build_model(model_name)
+    tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    graphs = capture_graphs(model, (tokens,), fused_attention=False)
+    schedules = (read_schedule(graphs.forward, "forward"), read_schedule(graphs.backward, "backward"))
+    return sum(as_number(node.flops) for schedule in schedules for node in schedule.nodes)
 
 
-def peak_flops_per_second(device_type: str) -> float | None:
-    """Peak FLOP/s of the device one rank computes on; None for a GPU not in the table."""
-    if device_type == "cpu":
-        return torch.get_num_threads() * CPU_CORE_PEAK_FLOPS
-    name = torch.cuda.get_device_name()
-    return next((peak for fragment, peak in GPU_PEAK_FLOPS.items() if fragment in name), None)
+def peak_flops_per_second(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s in ``dtype`` of the device one rank computes on; None for a GPU without a profile.
+
+    A GPU's is its profile's data-sheet peak. A CPU rank's is the ``cpu`` profile's
+    measured matmul rate (cached; measured once, about ten seconds, with half the
+    cores per rank), scaled to this rank's thread count.
+    """
+    if device.type == "cpu":
+        threads_measured = max(1, (os.cpu_count() or 1) // 2)
+        return cpu_profile().peak_rate(dtype) * torch.get_num_threads() / threads_measured
+    name = torch.cuda.get_device_name(device)
+    profile = next((BUILT_IN[p] for fragment, p in GPU_PROFILES.items() if fragment in name), None)
+    return profile.peak_rate(dtype) if profile else None

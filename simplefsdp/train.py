@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from simplefsdp.api import compile_sharded
 from simplefsdp.data import load_tokens, rank_batch
-from simplefsdp.mfu import peak_flops_per_second, training_flops_per_token
+from simplefsdp.ir.hardware import cpu_profile
+from simplefsdp.mfu import peak_flops_per_second, step_flops
 from simplefsdp.models.llama import CONFIGS, build_model
 from simplefsdp.runtime.activation_checkpoint import AC_MODES, apply_activation_checkpointing
 from simplefsdp.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -80,6 +81,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Train on this process when launched by torchrun, else launch ``--nproc`` local ranks."""
     check_arguments(args)
     if not is_launched_rank():
+        if not torch.cuda.is_available():
+            cpu_profile()  # measure the CPU for MFU now, while no rank runs, unless its profile is cached
         return launch_local_ranks(args.nproc, argv)
     train(args)
     # A finished rank leaves without running C++ static destructors: with PyTorch 2.13 and
@@ -126,8 +129,8 @@ def train(args: argparse.Namespace) -> None:
     device = next(model.parameters()).device
     say = print if rank == 0 else (lambda *_, **__: None)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    flops_per_step = training_flops_per_token(model.config, num_params, args.seq_len) * tokens_per_step
-    peak = peak_flops_per_second(device.type)
+    flops_per_step, peak = (step_flops(args.model, args.batch_size, args.seq_len) * args.grad_accum * world,
+                            peak_flops_per_second(device, args.param_dtype or torch.float32)) if rank == 0 else (0, None)
     say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params) on {world} rank(s), mode {args.mode}, "
         f"{args.grad_accum} x {args.batch_size}x{args.seq_len} tokens per rank per step")
 

@@ -27,7 +27,8 @@ class HardwareProfile:
     """What one accelerator and its links sustain. Bandwidths in bytes/s, latencies in seconds.
 
     ``flops_per_s`` maps a dtype name (``"bfloat16"``, ``"float32"``) to the dense
-    matmul rate actually reached. ``intra_node_bandwidth`` is the NCCL bus bandwidth
+    matmul rate actually reached; ``peak_flops_per_s`` to the data-sheet peak
+    (the denominator of MFU), empty for a measured profile. ``intra_node_bandwidth`` is the NCCL bus bandwidth
     between accelerators of one node, ``inter_node_bandwidth`` that of one
     accelerator's network link. ``kernel_overhead`` is the fixed cost of launching
     one kernel; ``dispatch_overhead`` the host's cost of every graph node, views
@@ -47,11 +48,19 @@ class HardwareProfile:
     dispatch_overhead: float
     devices_per_node: int
     memory_capacity: int
+    peak_flops_per_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def matmul_rate(self, dtype: torch.dtype) -> float:
         """FLOP/s for ``dtype``; dtypes without an entry run at the ``float32`` rate."""
         name = str(dtype).removeprefix("torch.")
         return self.flops_per_s.get(name, self.flops_per_s["float32"])
+
+    def peak_rate(self, dtype: torch.dtype) -> float:
+        """Data-sheet peak FLOP/s for ``dtype``; a measured profile's peak is its measured ``matmul_rate``."""
+        name = str(dtype).removeprefix("torch.")
+        if not self.peak_flops_per_s:
+            return self.matmul_rate(dtype)
+        return self.peak_flops_per_s.get(name, self.peak_flops_per_s["float32"])
 
     def to_json(self) -> str:
         """The profile as JSON, readable back by ``load_profile``."""
@@ -63,9 +72,11 @@ class HardwareProfile:
 # NVLink 4 is 450 GB/s per direction; NCCL's effective bus bandwidth over it is ~370 GB/s
 # (NVIDIA, github.com/NVIDIA/nccl-tests/issues/212). One 400 Gb/s NDR NIC per GPU gives
 # 46-48 GB/s through NCCL (NVIDIA, github.com/NVIDIA/nccl-tests/issues/290).
+_H100_PEAK = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}
 H100 = HardwareProfile(
     name="h100",
-    flops_per_s={"bfloat16": 0.75 * 989e12, "float16": 0.75 * 989e12, "float32": 0.75 * 67e12},
+    flops_per_s={dtype: 0.75 * peak for dtype, peak in _H100_PEAK.items()},
+    peak_flops_per_s=_H100_PEAK,
     memory_bandwidth=0.8 * 3.35e12,
     intra_node_bandwidth=370e9,
     inter_node_bandwidth=47e9,
@@ -80,9 +91,11 @@ H100 = HardwareProfile(
 
 # NVIDIA A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 TFLOP/s fp32, 2.04 TB/s HBM2e; NVLink 3
 # at 300 GB/s per direction (~230 GB/s NCCL bus bandwidth), one 200 Gb/s HDR NIC per GPU.
+_A100_PEAK = {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}
 A100 = HardwareProfile(
     name="a100",
-    flops_per_s={"bfloat16": 0.75 * 312e12, "float16": 0.75 * 312e12, "float32": 0.75 * 19.5e12},
+    flops_per_s={dtype: 0.75 * peak for dtype, peak in _A100_PEAK.items()},
+    peak_flops_per_s=_A100_PEAK,
     memory_bandwidth=0.8 * 2.04e12,
     intra_node_bandwidth=230e9,
     inter_node_bandwidth=23e9,
@@ -127,12 +140,16 @@ def load_profile(path: Path) -> HardwareProfile:
 def cpu_profile(refresh: bool = False) -> HardwareProfile:
     """The ``cpu`` profile of this machine: cached, else measured now (about ten seconds) and cached.
 
-    The cache is keyed by host, core count and torch version; ``refresh`` measures again.
+    The cache is keyed by host, core count and torch version; ``refresh`` measures again, as does a
+    cache file this version cannot read.
     """
     key = f"{platform.node()}-{os.cpu_count()}cores-torch{torch.__version__}".replace(os.sep, "_")
     path = CACHE_DIR / f"cpu-{key}.json"
     if path.is_file() and not refresh:
-        return load_profile(path)
+        try:
+            return load_profile(path)
+        except (TypeError, ValueError):  # written by a version with other fields: measure again
+            pass
     profile = measure_cpu_profile()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(profile.to_json())
