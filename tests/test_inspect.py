@@ -190,7 +190,8 @@ def test_cli_without_passes_keeps_only_the_traced_stage(tmp_path, capsys):
     assert main(["inspect", "--model", "debug", "--seq-len", "16", "--buckets", "none", "--no-reorder",
                  "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert [line.split()[0] for line in out.splitlines()[2:3]] == ["traced"]
+    stage_rows = out.split("\n\n")[0].splitlines()[2:]  # the title, the table's header, then one row per stage
+    assert [row.split()[0] for row in stage_rows] == ["traced"]
     assert "no passes applied" in out and "traced graphs (what runs)" in out
     assert sorted(path.name for path in tmp_path.glob("*ward*.py")) == [
         "backward.0-traced.py", "backward.py", "forward.0-traced.py", "forward.py"]
