@@ -81,11 +81,14 @@ class InspectReport:
         return self.stages[-1]
 
     def stage(self, name: str) -> InspectStage:
-        """The stage called ``name``; ``KeyError`` naming the stages there are when the pass was off."""
+        """The stage called ``name``; ``KeyError`` naming the stages this report has when there is none."""
         for stage in self.stages:
             if stage.name == name:
                 return stage
-        raise KeyError(f"no {name!r} stage (its pass was off); stages: {', '.join(s.name for s in self.stages)}")
+        raise KeyError(
+            f"no {name!r} stage; this report has {', '.join(s.name for s in self.stages)} "
+            "(a pass that is off has no stage)"
+        )
 
     @property
     def forward(self) -> Schedule:

@@ -101,6 +101,8 @@ def test_stages_follow_the_passes_that_are_on(fully_sharded, traced):
     assert fully_sharded.final is fully_sharded.stage("reordered")
     assert fully_sharded.prediction is fully_sharded.final.prediction
     assert traced.forward_plan is None and traced.backward_plan is None
+    with pytest.raises(KeyError, match="no 'bucket' stage; this report has traced, bucketed, reordered"):
+        fully_sharded.stage("bucket")
     # the passes hide communication that the traced graphs expose
     assert fully_sharded.prediction.exposed_communication < traced.prediction.exposed_communication
 
