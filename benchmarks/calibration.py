@@ -93,7 +93,9 @@ def main() -> int:
         model = build_model("cpu-small")
     measured = run_on_ranks(2, measure_rank)
     hardware = measured[0][0]
-    report = simplefsdp.inspect(model, (torch.zeros(BATCH, SEQ, dtype=torch.long),), world_size=2, hardware=hardware)
+    # The ranks ran the traced graphs as plain FX (no passes), so predict those.
+    report = simplefsdp.inspect(model, (torch.zeros(BATCH, SEQ, dtype=torch.long),), world_size=2, hardware=hardware,
+                                buckets=None, reorder=False)
     step_time = statistics.median(seconds for _, seconds, _ in measured)
     peak = max(bytes_ for _, _, bytes_ in measured)
     predicted_time, predicted_peak = report.prediction.step_time, report.prediction.memory.peak_bytes

@@ -3,7 +3,10 @@
 The model is copied onto the meta device, its parameters sharded over a fake
 process group of the requested world size, and one forward and backward traced
 (see ``simplefsdp.ir.capture``). Nothing is allocated for the parameters, so
-Llama 3 8B on 512 ranks fits on a laptop.
+Llama 3 8B on 512 ranks fits on a laptop. Our passes (bucketing, reordering)
+then run on the traced graphs through the same code path as under
+``compile_sharded`` (``OverlapPasses.stages``); the report keeps the graphs,
+plans and prediction of every stage.
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ from torch.distributed.tensor import DTensor
 from simplefsdp.ir.capture import TraceError, capture_graphs
 from simplefsdp.ir.cost_model import as_number
 from simplefsdp.ir.hardware import PROFILE_NAMES, HardwareProfile, get_profile
-from simplefsdp.ir.render import chrome_trace, svg_timeline, text_summary
-from simplefsdp.ir.schedule import Schedule, read_schedule
+from simplefsdp.ir.render import chrome_trace, stage_table, svg_timeline, text_summary
+from simplefsdp.ir.schedule import Schedule
 from simplefsdp.ir.simulator import Prediction, simulate
 from simplefsdp.models.llama import CONFIGS, build_model, get_config
+from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan
+from simplefsdp.passes.install import OverlapPasses
+from simplefsdp.passes.options import BUCKET_MODES, check_pass_options
+from simplefsdp.passes.reorder import ReorderPlan
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES
 from simplefsdp.runtime.mixed_precision import MixedPrecision
@@ -33,20 +40,72 @@ from simplefsdp.runtime.replicate_compute import ReplicateComputation
 from simplefsdp.runtime.sharding import shard_parameters
 
 
-@dataclass
-class InspectReport:
-    """The traced graphs of one step, their schedules and the predictions; ``save`` writes them all."""
+@dataclass(frozen=True)
+class InspectStage:
+    """The step's graphs at one stage of the passes (``traced``, ``bucketed``, ``reordered``) and their prediction.
 
-    title: str
+    ``forward_plan`` and ``backward_plan`` are what the stage's pass applied to each graph (``None`` when traced).
+    """
+
+    name: str
     forward: Schedule
     backward: Schedule
+    forward_plan: BucketPlan | ReorderPlan | None
+    backward_plan: BucketPlan | ReorderPlan | None
     prediction: Prediction
-    hardware: HardwareProfile
 
     @property
     def schedules(self) -> list[Schedule]:
         """The forward and the backward schedule, in run order."""
         return [self.forward, self.backward]
+
+
+_PLAN_HEADINGS = {"bucketed": "bucket plan", "reordered": "reorder plan"}
+
+
+@dataclass
+class InspectReport:
+    """The graphs of one step at each stage of the passes, with plans and predictions; ``save`` writes them all.
+
+    ``stages`` run in pass order, ``traced`` first; the last one is what runs, and ``forward``, ``backward``
+    and ``prediction`` are its.
+    """
+
+    title: str
+    stages: list[InspectStage]
+    hardware: HardwareProfile
+
+    @property
+    def final(self) -> InspectStage:
+        """The stage after every pass that is on: the graphs that run."""
+        return self.stages[-1]
+
+    def stage(self, name: str) -> InspectStage:
+        """The stage called ``name``; ``KeyError`` naming the stages this report has when there is none."""
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(
+            f"no {name!r} stage; this report has {', '.join(s.name for s in self.stages)} "
+            "(a pass that is off has no stage)"
+        )
+
+    @property
+    def forward(self) -> Schedule:
+        return self.final.forward
+
+    @property
+    def backward(self) -> Schedule:
+        return self.final.backward
+
+    @property
+    def prediction(self) -> Prediction:
+        return self.final.prediction
+
+    @property
+    def schedules(self) -> list[Schedule]:
+        """The final forward and backward schedule, in run order."""
+        return self.final.schedules
 
     @property
     def sharded_param_bytes(self) -> int:
@@ -58,21 +117,35 @@ class InspectReport:
         """FLOPs one rank runs in a step (forward and backward)."""
         return sum(as_number(node.flops) for schedule in self.schedules for node in schedule.nodes)
 
+    def plans(self) -> str:
+        """The bucket plan and the reorder plan of both graphs, as text (what ``plan.txt`` holds)."""
+        sections = [
+            f"{_PLAN_HEADINGS[stage.name]}\n{stage.forward_plan}\n{stage.backward_plan}\n"
+            for stage in self.stages[1:]
+        ]
+        return "\n".join(sections) or "no passes applied (buckets=None, reorder=False): the graphs run as traced\n"
+
     def summary(self) -> str:
-        """The text summary: predictions, then one row per collective."""
-        return text_summary(self.title, self.schedules, self.prediction, self.hardware)
+        """The text summary: one row per stage, the plans, then the final graphs' predictions and collectives."""
+        table = stage_table([(stage.name, stage.schedules, stage.prediction) for stage in self.stages])
+        final = text_summary(f"{self.final.name} graphs (what runs)", self.schedules, self.prediction, self.hardware)
+        return f"{self.title}\n{table}\n{self.plans()}\n{final}"
 
     def save(self, directory: str | Path) -> list[Path]:
-        """Write forward.py, backward.py (FX code), summary.txt, timeline.svg and trace.json; return their paths."""
+        """Write the final graphs (forward.py, backward.py), each stage's graphs (``forward.0-traced.py``, ...),
+        plan.txt, summary.txt, timeline.svg and trace.json; return their paths."""
         folder = Path(directory)
         folder.mkdir(parents=True, exist_ok=True)
-        contents = {
-            "forward.py": self.forward.code,
-            "backward.py": self.backward.code,
+        contents = {"forward.py": self.forward.code, "backward.py": self.backward.code}
+        for index, stage in enumerate(self.stages):
+            for schedule in stage.schedules:
+                contents[f"{schedule.phase}.{index}-{stage.name}.py"] = schedule.code
+        contents.update({
+            "plan.txt": self.plans(),
             "summary.txt": self.summary(),
             "timeline.svg": svg_timeline(self.title, self.schedules, self.prediction, self.hardware),
             "trace.json": chrome_trace(self.schedules, self.prediction, self.hardware),
-        }
+        })
         for name, text in contents.items():
             (folder / name).write_text(text)
         return [folder / name for name in contents]
@@ -87,18 +160,26 @@ def inspect(
     hardware: str | HardwareProfile = "h100",
     mp_policy: MixedPrecision | None = None,
     reshard_after_forward: bool = True,
+    buckets: BucketMode = "auto",
+    reorder: bool = True,
+    prefetch: int = 1,
+    memory_budget: int | None = None,
     title: str | None = None,
 ) -> InspectReport:
-    """Trace ``model`` as ``compile_sharded`` would shard it on ``world_size`` ranks and predict one step.
+    """Trace ``model`` as ``compile_sharded`` would shard it on ``world_size`` ranks, run our passes, predict a step.
 
     Runs in this process on a fake process group (``world_size`` defaults to 1)
     with meta-device copies of the model and inputs; ``model`` itself is not
     changed. ``hardware`` is a profile name (``h100``, ``a100``, ``cpu``), a JSON
-    path or a ``HardwareProfile``. Each bad argument raises one clear error.
+    path or a ``HardwareProfile``; it also prices ``buckets="auto"``. ``buckets``,
+    ``reorder``, ``prefetch`` and ``memory_budget`` are ``compile_sharded``'s
+    pass options; the report keeps the graphs as traced and after each pass
+    that is on. Each bad argument raises one clear error.
     """
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size
     mesh_shape = _mesh_shape(mode, world_size, profile.devices_per_node)
+    check_pass_options(model, buckets, reorder, prefetch, memory_budget)
     mp_policy = mp_policy or MixedPrecision()
     for name, param in model.named_parameters():
         if isinstance(param, DTensor):
@@ -109,6 +190,7 @@ def inspect(
     meta_inputs = tuple(
         torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in example_inputs
     )
+    passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile)
     with fake_world(world_size):
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
         replicate = ReplicateComputation(
@@ -118,14 +200,19 @@ def inspect(
         )
         shard_parameters(meta_model, mesh, mode, replicate)
         graphs = capture_graphs(meta_model, meta_inputs)
-        forward = read_schedule(graphs.forward, "forward", graphs.param_fqns)
-        backward = read_schedule(graphs.backward, "backward", graphs.param_fqns)
+        # The captured graphs are ours: the passes rewrite them in place, and each stage keeps its schedule.
+        forward_stages = list(passes.stages(graphs.forward, "forward", graphs.param_fqns))
+        backward_stages = list(passes.stages(graphs.backward, "backward", graphs.param_fqns))
     compute_dtype = mp_policy.param_dtype or next(model.parameters(), torch.empty(0)).dtype
-    prediction = simulate(forward, backward, profile, compute_dtype)
+    stages = [
+        InspectStage(forward.name, forward.schedule, backward.schedule, forward.plan, backward.plan,
+                     simulate(forward.schedule, backward.schedule, profile, compute_dtype))
+        for forward, backward in zip(forward_stages, backward_stages)
+    ]
     title = title or (
         f"{type(model).__name__}, {mode}, world {world_size} (mesh {tuple(mesh_shape)}), hardware {profile.name}"
     )
-    return InspectReport(title, forward, backward, prediction, profile)
+    return InspectReport(title, stages, profile)
 
 
 def _mesh_shape(mode: str, world_size: int, devices_per_node: int) -> tuple[int, ...]:
@@ -167,12 +254,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce-dtype", type=dtype_arg, default=torch.float32, help="gradient dtype (float32)")
     parser.add_argument("--no-reshard", dest="reshard_after_forward", action="store_false",
                         help="keep gathered parameters from forward to backward")
-    parser.add_argument("--out", default=None, help="folder for the graphs, summary, timeline.svg and trace.json")
+    parser.add_argument("--buckets", default="auto", choices=[str(mode).lower() for mode in BUCKET_MODES],
+                        help="bucketing of the collectives, as compile_sharded's buckets (auto)")
+    parser.add_argument("--no-reorder", dest="reorder", action="store_false",
+                        help="do not prefetch all-gathers or sink waits")
+    parser.add_argument("--prefetch", type=int, default=1, help="all-gather buckets issued ahead (1)")
+    parser.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
+                        help="gathered parameter bytes in flight that --buckets auto may use")
+    parser.add_argument("--out", default=None,
+                        help="folder for each stage's graphs, plan.txt, summary.txt, timeline.svg and trace.json")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    """Trace the named model on the meta device, print the summary, write the files to ``--out``."""
+    """Trace the named model on the meta device, run the passes, print the summary, write the files to ``--out``."""
     config = get_config(args.model)
     seq_len = args.seq_len or config.max_seq_len
     if args.batch_size < 1 or not 1 <= seq_len <= config.max_seq_len:
@@ -191,9 +286,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         report = inspect(
             model, (tokens,), world_size=args.world_size, mode=args.mode, hardware=args.hardware,
             mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
-            reshard_after_forward=args.reshard_after_forward, title=title,
+            reshard_after_forward=args.reshard_after_forward,
+            buckets=None if args.buckets == "none" else args.buckets, reorder=args.reorder,
+            prefetch=args.prefetch, memory_budget=args.memory_budget, title=title,
         )
-    except (ValueError, TraceError) as error:
+    except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None
     print(report.summary(), end="")
     if args.out:

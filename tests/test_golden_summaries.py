@@ -1,16 +1,22 @@
-"""Golden text summaries of the ``debug`` model at world size 8 on h100, one per mode.
+"""Golden text summaries of the ``debug`` model at world size 8 on h100, one per mode, with the default passes.
 
-Any change in the traced schedule or the predictions shows up here as a diff to
-review; accept an intended one with ``EXPECTTEST_ACCEPT=1 pytest tests/test_golden_summaries.py``.
+Each summary pins the per-stage table, the bucket and reorder plans and the
+final graphs' collectives; the fully_shard graphs as traced (before any pass)
+are pinned on their own. Any change in the traced schedule, the plans or the
+predictions shows up here as a diff to review; accept an intended one with
+``EXPECTTEST_ACCEPT=1 pytest tests/test_golden_summaries.py``.
 """
 
 import dataclasses
 
+import pytest
 import torch
 from expecttest import assert_expected_inline
 
 import simplefsdp
+from simplefsdp.inspection import InspectReport
 from simplefsdp.ir.hardware import H100, HardwareProfile
+from simplefsdp.ir.render import text_summary
 from simplefsdp.models.llama import build_model
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 
@@ -19,7 +25,7 @@ from simplefsdp.runtime.mixed_precision import MixedPrecision
 H100_4_PER_NODE = dataclasses.replace(H100, name="h100-4-per-node", devices_per_node=4)
 
 
-def debug_summary(mode: str, hardware: HardwareProfile = H100) -> str:
+def debug_report(mode: str, hardware: HardwareProfile = H100) -> InspectReport:
     with torch.device("meta"):
         model = build_model("debug")
     report = simplefsdp.inspect(
@@ -27,11 +33,81 @@ def debug_summary(mode: str, hardware: HardwareProfile = H100) -> str:
         mp_policy=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         title=f"debug, {mode}, world 8, {hardware.name}",
     )
-    return report.summary()
+    return report
 
 
-def test_fully_shard_summary():
-    assert_expected_inline(debug_summary("fully_shard"), """\
+@pytest.fixture(scope="module")
+def fully_shard():
+    return debug_report("fully_shard")
+
+
+def test_fully_shard_summary(fully_shard):
+    assert_expected_inline(fully_shard.summary(), """\
+debug, fully_shard, world 8, h100
+stage       collectives  predicted step  exposed comm.  peak memory
+traced               62        1.905 ms       1.056 ms   915.23 KiB
+bucketed             13        1.176 ms       223.4 us     1.02 MiB
+reordered            13        1.022 ms        70.2 us     1.12 MiB
+
+bucket plan
+forward: 5 bucket(s)
+  all_gather tok_embeddings: 1 collective(s) [tok_embeddings]
+  all_gather layers.0.attention_norm: 1 collective(s) [layers.0.attention_norm]
+  all_gather layers.0.attention+layers.0.ffn_norm+layers.0.feed_forward+layers.1.attention_norm: 9 collective(s) [layers.0.attention.wq, layers.0.attention.wk, layers.0.attention.wv, layers.0.attention.wo, layers.0.ffn_norm, layers.0.feed_forward.w1, layers.0.feed_forward.w3, layers.0.feed_forward.w2, layers.1.attention_norm]
+  all_gather layers.1.attention+layers.1.ffn_norm+layers.1.feed_forward+norm: 9 collective(s) [layers.1.attention.wq, layers.1.attention.wk, layers.1.attention.wv, layers.1.attention.wo, layers.1.ffn_norm, layers.1.feed_forward.w1, layers.1.feed_forward.w3, layers.1.feed_forward.w2, norm]
+  all_gather output: 1 collective(s) [output]
+backward: 8 bucket(s)
+  all_gather output: 1 collective(s) [output]
+  reduce_scatter tail: 2 collective(s) [output, norm]
+  all_gather norm: 1 collective(s) [norm]
+  all_gather layers.1.feed_forward+layers.1.ffn_norm+layers.1.attention+layers.1.attention_norm: 9 collective(s) [layers.1.feed_forward.w2, layers.1.feed_forward.w3, layers.1.feed_forward.w1, layers.1.ffn_norm, layers.1.attention.wo, layers.1.attention.wv, layers.1.attention.wk, layers.1.attention.wq, layers.1.attention_norm]
+  reduce_scatter layers.1: 9 collective(s) [layers.1.feed_forward.w2, layers.1.feed_forward.w3, layers.1.feed_forward.w1, layers.1.ffn_norm, layers.1.attention.wo, layers.1.attention.wv, layers.1.attention.wk, layers.1.attention.wq, layers.1.attention_norm]
+  all_gather layers.0.feed_forward+layers.0.ffn_norm+layers.0.attention+layers.0.attention_norm: 9 collective(s) [layers.0.feed_forward.w2, layers.0.feed_forward.w3, layers.0.feed_forward.w1, layers.0.ffn_norm, layers.0.attention.wo, layers.0.attention.wv, layers.0.attention.wk, layers.0.attention.wq, layers.0.attention_norm]
+  reduce_scatter layers.0: 9 collective(s) [layers.0.feed_forward.w2, layers.0.feed_forward.w3, layers.0.feed_forward.w1, layers.0.ffn_norm, layers.0.attention.wo, layers.0.attention.wv, layers.0.attention.wk, layers.0.attention.wq, layers.0.attention_norm]
+  reduce_scatter head: 1 collective(s) [tok_embeddings]
+
+reorder plan
+forward: 4 prefetch(es), 1 sunk wait(s)
+  issue all_gather_into_tensor_1 after wait_tensor (before embedding)
+  issue all_gather_into_tensor_out after wait_tensor_1 (before mul_1)
+  issue all_gather_into_tensor_out_1 after wait_tensor_21 (before mm)
+  issue all_gather_into_tensor_20 after wait_tensor_22 (before mm_7)
+  sink wait_tensor_20 to before mm_14
+backward: 4 prefetch(es), 3 sunk wait(s)
+  issue all_gather_into_tensor_20 after the graph inputs (before mm_15)
+  issue all_gather_into_tensor_19 after wait_tensor_20 (before mm_16)
+  issue all_gather_into_tensor_out after wait_tensor_19 (before mul_29)
+  issue all_gather_into_tensor_out_1 after wait_tensor_42 (before mm_18)
+  sink wait_tensor to before reduce_scatter_tensor_22
+  sink wait_tensor_43 to before reduce_scatter_tensor_23
+  sink wait_tensor_45 to before reduce_scatter_tensor_20
+
+reordered graphs (what runs)
+predicted step 1.022 ms: compute 952.2 us, communication 223.4 us, exposed 70.2 us, overlap 68.6%, lower bound 952.2 us
+peak memory per rank 1.12 MiB at backward:mul_38: sharded_params 64.16 KiB, unsharded_params 96.25 KiB, gradients 8.03 KiB, comm_buffers 0 B, activations 975.30 KiB
+FLOPs per rank per step 1.174e+08
+
+  #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
+  0  forward   all_gather      f0      tok_embeddings                        8  bfloat16    32.00 KiB     17.1 us  no, stalls 17.1 us
+  1  forward   all_gather      f1      layers.0.attention_norm               8  bfloat16        128 B     17.0 us  no, stalls 0.9 us
+  2  forward   all_gather      f2      layers.0.attention.wq                 8  bfloat16    96.25 KiB     17.2 us  no, stalls 15.2 us
+  3  forward   all_gather      f3      layers.1.attention.wq                 8  bfloat16    96.25 KiB     17.2 us  yes
+  4  forward   all_gather      f4      output                                8  bfloat16    32.00 KiB     17.1 us  yes
+  5  backward  all_gather      b0      output                                8  bfloat16    32.00 KiB     17.1 us  no, stalls 15.0 us
+  6  backward  all_gather      b1      norm                                  8  bfloat16        128 B     17.0 us  no, stalls 4.8 us
+  7  backward  all_gather      b2      layers.1.feed_forward.w2              8  bfloat16    96.25 KiB     17.2 us  yes
+  8  backward  reduce_scatter  b3      output                                8  float32     64.25 KiB     17.2 us  yes
+  9  backward  all_gather      b4      layers.0.feed_forward.w2              8  bfloat16    96.25 KiB     17.2 us  yes
+ 10  backward  reduce_scatter  b5      layers.1.feed_forward.w2              8  float32    192.50 KiB     17.5 us  yes
+ 11  backward  reduce_scatter  b6      layers.0.feed_forward.w2              8  float32    192.50 KiB     17.5 us  yes
+ 12  backward  reduce_scatter  b7      tok_embeddings                        8  float32     64.00 KiB     17.2 us  no, stalls 17.2 us
+""")
+
+
+def test_fully_shard_traced_graphs(fully_shard):
+    traced = fully_shard.stage("traced")
+    summary = text_summary(fully_shard.title, traced.schedules, traced.prediction, fully_shard.hardware)
+    assert_expected_inline(summary, """\
 debug, fully_shard, world 8, h100
 predicted step 1.905 ms: compute 849.0 us, communication 1.056 ms, exposed 1.056 ms, overlap 0.0%, lower bound 1.056 ms
 peak memory per rank 915.23 KiB at backward:mul_38: sharded_params 64.16 KiB, unsharded_params 0 B, gradients 20.03 KiB, comm_buffers 0 B, activations 831.05 KiB
@@ -104,126 +180,167 @@ FLOPs per rank per step 1.174e+08
 
 
 def test_replicate_summary():
-    assert_expected_inline(debug_summary("replicate"), """\
+    assert_expected_inline(debug_report("replicate").summary(), """\
 debug, replicate, world 8, h100
-predicted step 1.322 ms: compute 815.3 us, communication 506.5 us, exposed 506.5 us, overlap 0.0%, lower bound 815.3 us
+stage       collectives  predicted step  exposed comm.  peak memory
+traced               21        1.322 ms       506.5 us     1.61 MiB
+bucketed             21        1.322 ms       506.5 us     1.61 MiB
+reordered            21        839.6 us        24.3 us     1.61 MiB
+
+bucket plan
+forward: 0 bucket(s)
+backward: 0 bucket(s)
+
+reorder plan
+forward: 0 prefetch(es), 0 sunk wait(s)
+backward: 0 prefetch(es), 20 sunk wait(s)
+  sink wait_tensor to before wait_tensor_20
+  sink wait_tensor_1 to before wait_tensor_20
+  sink wait_tensor_2 to before wait_tensor_20
+  sink wait_tensor_3 to before wait_tensor_20
+  sink wait_tensor_4 to before wait_tensor_20
+  sink wait_tensor_5 to before wait_tensor_20
+  sink wait_tensor_6 to before wait_tensor_20
+  sink wait_tensor_7 to before wait_tensor_20
+  sink wait_tensor_8 to before wait_tensor_20
+  sink wait_tensor_9 to before wait_tensor_20
+  sink wait_tensor_10 to before wait_tensor_20
+  sink wait_tensor_11 to before wait_tensor_20
+  sink wait_tensor_12 to before wait_tensor_20
+  sink wait_tensor_13 to before wait_tensor_20
+  sink wait_tensor_14 to before wait_tensor_20
+  sink wait_tensor_15 to before wait_tensor_20
+  sink wait_tensor_16 to before wait_tensor_20
+  sink wait_tensor_17 to before wait_tensor_20
+  sink wait_tensor_18 to before wait_tensor_20
+  sink wait_tensor_19 to before wait_tensor_20
+
+reordered graphs (what runs)
+predicted step 839.6 us: compute 815.3 us, communication 506.5 us, exposed 24.3 us, overlap 95.2%, lower bound 815.3 us
 peak memory per rank 1.61 MiB at backward:mul_38: sharded_params 513.25 KiB, unsharded_params 0 B, gradients 160.25 KiB, comm_buffers 0 B, activations 975.17 KiB
 FLOPs per rank per step 1.174e+08
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
-  0  backward  all_reduce      b0      output                                8  float32     64.00 KiB     24.3 us  no, stalls 24.3 us
-  1  backward  all_reduce      b1      norm                                  8  float32         256 B     24.0 us  no, stalls 24.0 us
-  2  backward  all_reduce      b2      layers.1.feed_forward.w2              8  float32     48.00 KiB     24.2 us  no, stalls 24.2 us
-  3  backward  all_reduce      b3      layers.1.feed_forward.w3              8  float32     48.00 KiB     24.2 us  no, stalls 24.2 us
-  4  backward  all_reduce      b4      layers.1.feed_forward.w1              8  float32     48.00 KiB     24.2 us  no, stalls 24.2 us
-  5  backward  all_reduce      b5      layers.1.ffn_norm                     8  float32         256 B     24.0 us  no, stalls 24.0 us
-  6  backward  all_reduce      b6      layers.1.attention.wo                 8  float32     16.00 KiB     24.1 us  no, stalls 24.1 us
-  7  backward  all_reduce      b7      layers.1.attention.wv                 8  float32      8.00 KiB     24.0 us  no, stalls 24.0 us
-  8  backward  all_reduce      b8      layers.1.attention.wk                 8  float32      8.00 KiB     24.0 us  no, stalls 24.0 us
-  9  backward  all_reduce      b9      layers.1.attention.wq                 8  float32     16.00 KiB     24.1 us  no, stalls 24.1 us
- 10  backward  all_reduce      b10     layers.1.attention_norm               8  float32         256 B     24.0 us  no, stalls 24.0 us
- 11  backward  all_reduce      b11     layers.0.feed_forward.w2              8  float32     48.00 KiB     24.2 us  no, stalls 24.2 us
- 12  backward  all_reduce      b12     layers.0.feed_forward.w3              8  float32     48.00 KiB     24.2 us  no, stalls 24.2 us
- 13  backward  all_reduce      b13     layers.0.feed_forward.w1              8  float32     48.00 KiB     24.2 us  no, stalls 24.2 us
- 14  backward  all_reduce      b14     layers.0.ffn_norm                     8  float32         256 B     24.0 us  no, stalls 24.0 us
- 15  backward  all_reduce      b15     layers.0.attention.wo                 8  float32     16.00 KiB     24.1 us  no, stalls 24.1 us
- 16  backward  all_reduce      b16     layers.0.attention.wv                 8  float32      8.00 KiB     24.0 us  no, stalls 24.0 us
- 17  backward  all_reduce      b17     layers.0.attention.wk                 8  float32      8.00 KiB     24.0 us  no, stalls 24.0 us
- 18  backward  all_reduce      b18     layers.0.attention.wq                 8  float32     16.00 KiB     24.1 us  no, stalls 24.1 us
- 19  backward  all_reduce      b19     layers.0.attention_norm               8  float32         256 B     24.0 us  no, stalls 24.0 us
+  0  backward  all_reduce      b0      output                                8  float32     64.00 KiB     24.3 us  yes
+  1  backward  all_reduce      b1      norm                                  8  float32         256 B     24.0 us  yes
+  2  backward  all_reduce      b2      layers.1.feed_forward.w2              8  float32     48.00 KiB     24.2 us  yes
+  3  backward  all_reduce      b3      layers.1.feed_forward.w3              8  float32     48.00 KiB     24.2 us  yes
+  4  backward  all_reduce      b4      layers.1.feed_forward.w1              8  float32     48.00 KiB     24.2 us  yes
+  5  backward  all_reduce      b5      layers.1.ffn_norm                     8  float32         256 B     24.0 us  yes
+  6  backward  all_reduce      b6      layers.1.attention.wo                 8  float32     16.00 KiB     24.1 us  yes
+  7  backward  all_reduce      b7      layers.1.attention.wv                 8  float32      8.00 KiB     24.0 us  yes
+  8  backward  all_reduce      b8      layers.1.attention.wk                 8  float32      8.00 KiB     24.0 us  yes
+  9  backward  all_reduce      b9      layers.1.attention.wq                 8  float32     16.00 KiB     24.1 us  yes
+ 10  backward  all_reduce      b10     layers.1.attention_norm               8  float32         256 B     24.0 us  yes
+ 11  backward  all_reduce      b11     layers.0.feed_forward.w2              8  float32     48.00 KiB     24.2 us  yes
+ 12  backward  all_reduce      b12     layers.0.feed_forward.w3              8  float32     48.00 KiB     24.2 us  yes
+ 13  backward  all_reduce      b13     layers.0.feed_forward.w1              8  float32     48.00 KiB     24.2 us  yes
+ 14  backward  all_reduce      b14     layers.0.ffn_norm                     8  float32         256 B     24.0 us  yes
+ 15  backward  all_reduce      b15     layers.0.attention.wo                 8  float32     16.00 KiB     24.1 us  yes
+ 16  backward  all_reduce      b16     layers.0.attention.wv                 8  float32      8.00 KiB     24.0 us  yes
+ 17  backward  all_reduce      b17     layers.0.attention.wk                 8  float32      8.00 KiB     24.0 us  yes
+ 18  backward  all_reduce      b18     layers.0.attention.wq                 8  float32     16.00 KiB     24.1 us  yes
+ 19  backward  all_reduce      b19     layers.0.attention_norm               8  float32         256 B     24.0 us  yes
  20  backward  all_reduce      b20     tok_embeddings                        8  float32     64.00 KiB     24.3 us  no, stalls 24.3 us
 """)
 
 
 def test_hybrid_shard_summary():
-    assert_expected_inline(debug_summary("hybrid_shard", H100_4_PER_NODE), """\
+    assert_expected_inline(debug_report("hybrid_shard", H100_4_PER_NODE).summary(), """\
 debug, hybrid_shard, world 8, h100-4-per-node
-predicted step 2.046 ms: compute 849.1 us, communication 1.197 ms, exposed 1.197 ms, overlap 0.0%, lower bound 1.197 ms
-peak memory per rank 999.42 KiB at backward:mul_38: sharded_params 128.31 KiB, unsharded_params 0 B, gradients 40.06 KiB, comm_buffers 0 B, activations 831.05 KiB
+stage       collectives  predicted step  exposed comm.  peak memory
+traced               83        2.046 ms       1.197 ms   999.42 KiB
+bucketed             34        1.513 ms       560.2 us     1.09 MiB
+reordered            34        1.104 ms       151.6 us     1.19 MiB
+
+bucket plan
+forward: 5 bucket(s)
+  all_gather tok_embeddings: 1 collective(s) [tok_embeddings]
+  all_gather layers.0.attention_norm: 1 collective(s) [layers.0.attention_norm]
+  all_gather layers.0.attention+layers.0.ffn_norm+layers.0.feed_forward+layers.1.attention_norm: 9 collective(s) [layers.0.attention.wq, layers.0.attention.wk, layers.0.attention.wv, layers.0.attention.wo, layers.0.ffn_norm, layers.0.feed_forward.w1, layers.0.feed_forward.w3, layers.0.feed_forward.w2, layers.1.attention_norm]
+  all_gather layers.1.attention+layers.1.ffn_norm+layers.1.feed_forward+norm: 9 collective(s) [layers.1.attention.wq, layers.1.attention.wk, layers.1.attention.wv, layers.1.attention.wo, layers.1.ffn_norm, layers.1.feed_forward.w1, layers.1.feed_forward.w3, layers.1.feed_forward.w2, norm]
+  all_gather output: 1 collective(s) [output]
+backward: 8 bucket(s)
+  all_gather output: 1 collective(s) [output]
+  reduce_scatter tail: 2 collective(s) [output, norm]
+  all_gather norm: 1 collective(s) [norm]
+  all_gather layers.1.feed_forward+layers.1.ffn_norm+layers.1.attention+layers.1.attention_norm: 9 collective(s) [layers.1.feed_forward.w2, layers.1.feed_forward.w3, layers.1.feed_forward.w1, layers.1.ffn_norm, layers.1.attention.wo, layers.1.attention.wv, layers.1.attention.wk, layers.1.attention.wq, layers.1.attention_norm]
+  reduce_scatter layers.1: 9 collective(s) [layers.1.feed_forward.w2, layers.1.feed_forward.w3, layers.1.feed_forward.w1, layers.1.ffn_norm, layers.1.attention.wo, layers.1.attention.wv, layers.1.attention.wk, layers.1.attention.wq, layers.1.attention_norm]
+  all_gather layers.0.feed_forward+layers.0.ffn_norm+layers.0.attention+layers.0.attention_norm: 9 collective(s) [layers.0.feed_forward.w2, layers.0.feed_forward.w3, layers.0.feed_forward.w1, layers.0.ffn_norm, layers.0.attention.wo, layers.0.attention.wv, layers.0.attention.wk, layers.0.attention.wq, layers.0.attention_norm]
+  reduce_scatter layers.0: 9 collective(s) [layers.0.feed_forward.w2, layers.0.feed_forward.w3, layers.0.feed_forward.w1, layers.0.ffn_norm, layers.0.attention.wo, layers.0.attention.wv, layers.0.attention.wk, layers.0.attention.wq, layers.0.attention_norm]
+  reduce_scatter head: 1 collective(s) [tok_embeddings]
+
+reorder plan
+forward: 4 prefetch(es), 1 sunk wait(s)
+  issue all_gather_into_tensor_1 after wait_tensor (before embedding)
+  issue all_gather_into_tensor_out after wait_tensor_1 (before mul_1)
+  issue all_gather_into_tensor_out_1 after wait_tensor_21 (before mm)
+  issue all_gather_into_tensor_20 after wait_tensor_22 (before mm_7)
+  sink wait_tensor_20 to before mm_14
+backward: 4 prefetch(es), 20 sunk wait(s)
+  issue all_gather_into_tensor_20 after the graph inputs (before mm_15)
+  issue all_gather_into_tensor_19 after wait_tensor_20 (before mm_16)
+  issue all_gather_into_tensor_out after wait_tensor_19 (before mul_29)
+  issue all_gather_into_tensor_out_1 after wait_tensor_63 (before mm_18)
+  sink wait_tensor_21 to before cat
+  sink wait_tensor to before reduce_scatter_tensor_22
+  sink wait_tensor_25 to before cat_2
+  sink wait_tensor_27 to before cat_2
+  sink wait_tensor_29 to before cat_2
+  sink wait_tensor_31 to before cat_2
+  sink wait_tensor_33 to before cat_2
+  sink wait_tensor_35 to before cat_2
+  sink wait_tensor_37 to before cat_2
+  sink wait_tensor_39 to before cat_2
+  sink wait_tensor_64 to before reduce_scatter_tensor_23
+  sink wait_tensor_43 to before cat_4
+  sink wait_tensor_45 to before cat_4
+  sink wait_tensor_47 to before cat_4
+  sink wait_tensor_49 to before cat_4
+  sink wait_tensor_51 to before cat_4
+  sink wait_tensor_53 to before cat_4
+  sink wait_tensor_55 to before cat_4
+  sink wait_tensor_57 to before cat_4
+  sink wait_tensor_66 to before reduce_scatter_tensor_20
+
+reordered graphs (what runs)
+predicted step 1.104 ms: compute 952.4 us, communication 560.2 us, exposed 151.6 us, overlap 72.9%, lower bound 952.4 us
+peak memory per rank 1.19 MiB at backward:mul_38: sharded_params 128.31 KiB, unsharded_params 96.25 KiB, gradients 112.06 KiB, comm_buffers 0 B, activations 879.30 KiB
 FLOPs per rank per step 1.174e+08
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  forward   all_gather      f0      tok_embeddings                        4  bfloat16    32.00 KiB     13.1 us  no, stalls 13.1 us
-  1  forward   all_gather      f1      layers.0.attention_norm               4  bfloat16        128 B     13.0 us  no, stalls 13.0 us
-  2  forward   all_gather      f2      layers.0.attention.wq                 4  bfloat16     8.00 KiB     13.0 us  no, stalls 13.0 us
-  3  forward   all_gather      f3      layers.0.attention.wk                 4  bfloat16     4.00 KiB     13.0 us  no, stalls 13.0 us
-  4  forward   all_gather      f4      layers.0.attention.wv                 4  bfloat16     4.00 KiB     13.0 us  no, stalls 13.0 us
-  5  forward   all_gather      f5      layers.0.attention.wo                 4  bfloat16     8.00 KiB     13.0 us  no, stalls 13.0 us
-  6  forward   all_gather      f6      layers.0.ffn_norm                     4  bfloat16        128 B     13.0 us  no, stalls 13.0 us
-  7  forward   all_gather      f7      layers.0.feed_forward.w1              4  bfloat16    24.00 KiB     13.0 us  no, stalls 13.0 us
-  8  forward   all_gather      f8      layers.0.feed_forward.w3              4  bfloat16    24.00 KiB     13.0 us  no, stalls 13.0 us
-  9  forward   all_gather      f9      layers.0.feed_forward.w2              4  bfloat16    24.00 KiB     13.0 us  no, stalls 13.0 us
- 10  forward   all_gather      f10     layers.1.attention_norm               4  bfloat16        128 B     13.0 us  no, stalls 13.0 us
- 11  forward   all_gather      f11     layers.1.attention.wq                 4  bfloat16     8.00 KiB     13.0 us  no, stalls 13.0 us
- 12  forward   all_gather      f12     layers.1.attention.wk                 4  bfloat16     4.00 KiB     13.0 us  no, stalls 13.0 us
- 13  forward   all_gather      f13     layers.1.attention.wv                 4  bfloat16     4.00 KiB     13.0 us  no, stalls 13.0 us
- 14  forward   all_gather      f14     layers.1.attention.wo                 4  bfloat16     8.00 KiB     13.0 us  no, stalls 13.0 us
- 15  forward   all_gather      f15     layers.1.ffn_norm                     4  bfloat16        128 B     13.0 us  no, stalls 13.0 us
- 16  forward   all_gather      f16     layers.1.feed_forward.w1              4  bfloat16    24.00 KiB     13.0 us  no, stalls 13.0 us
- 17  forward   all_gather      f17     layers.1.feed_forward.w3              4  bfloat16    24.00 KiB     13.0 us  no, stalls 13.0 us
- 18  forward   all_gather      f18     layers.1.feed_forward.w2              4  bfloat16    24.00 KiB     13.0 us  no, stalls 13.0 us
- 19  forward   all_gather      f19     norm                                  4  bfloat16        128 B     13.0 us  no, stalls 13.0 us
- 20  forward   all_gather      f20     output                                4  bfloat16    32.00 KiB     13.1 us  no, stalls 13.1 us
- 21  backward  all_gather      b0      output                                4  bfloat16    32.00 KiB     13.1 us  no, stalls 13.1 us
- 22  backward  all_reduce      b1      output                                2  float32     64.00 KiB     19.4 us  no, stalls 19.4 us
- 23  backward  reduce_scatter  b2      output                                4  float32     64.00 KiB     13.1 us  no, stalls 13.1 us
- 24  backward  all_gather      b3      norm                                  4  bfloat16        128 B     13.0 us  no, stalls 13.0 us
- 25  backward  all_reduce      b4      norm                                  2  float32         256 B     18.0 us  no, stalls 18.0 us
- 26  backward  reduce_scatter  b5      norm                                  4  float32         256 B     13.0 us  no, stalls 13.0 us
- 27  backward  all_gather      b6      layers.1.feed_forward.w2              4  bfloat16    24.00 KiB     13.0 us  no, stalls 13.0 us
- 28  backward  all_reduce      b7      layers.1.feed_forward.w2              2  float32     48.00 KiB     19.0 us  no, stalls 19.0 us
- 29  backward  reduce_scatter  b8      layers.1.feed_forward.w2              4  float32     48.00 KiB     13.1 us  no, stalls 13.1 us
- 30  backward  all_gather      b9      layers.1.feed_forward.w3              4  bfloat16    24.00 KiB     13.0 us  no, stalls 13.0 us
- 31  backward  all_reduce      b10     layers.1.feed_forward.w3              2  float32     48.00 KiB     19.0 us  no, stalls 19.0 us
- 32  backward  reduce_scatter  b11     layers.1.feed_forward.w3              4  float32     48.00 KiB     13.1 us  no, stalls 13.1 us
- 33  backward  all_gather      b12     layers.1.feed_forward.w1              4  bfloat16    24.00 KiB     13.0 us  no, stalls 13.0 us
- 34  backward  all_reduce      b13     layers.1.feed_forward.w1              2  float32     48.00 KiB     19.0 us  no, stalls 19.0 us
- 35  backward  reduce_scatter  b14     layers.1.feed_forward.w1              4  float32     48.00 KiB     13.1 us  no, stalls 13.1 us
- 36  backward  all_gather      b15     layers.1.ffn_norm                     4  bfloat16        128 B     13.0 us  no, stalls 13.0 us
- 37  backward  all_reduce      b16     layers.1.ffn_norm                     2  float32         256 B     18.0 us  no, stalls 18.0 us
- 38  backward  reduce_scatter  b17     layers.1.ffn_norm                     4  float32         256 B     13.0 us  no, stalls 13.0 us
- 39  backward  all_gather      b18     layers.1.attention.wo                 4  bfloat16     8.00 KiB     13.0 us  no, stalls 13.0 us
- 40  backward  all_reduce      b19     layers.1.attention.wo                 2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
- 41  backward  reduce_scatter  b20     layers.1.attention.wo                 4  float32     16.00 KiB     13.0 us  no, stalls 13.0 us
- 42  backward  all_gather      b21     layers.1.attention.wv                 4  bfloat16     4.00 KiB     13.0 us  no, stalls 13.0 us
- 43  backward  all_reduce      b22     layers.1.attention.wv                 2  float32      8.00 KiB     18.2 us  no, stalls 18.2 us
- 44  backward  reduce_scatter  b23     layers.1.attention.wv                 4  float32      8.00 KiB     13.0 us  no, stalls 13.0 us
- 45  backward  all_gather      b24     layers.1.attention.wk                 4  bfloat16     4.00 KiB     13.0 us  no, stalls 13.0 us
- 46  backward  all_reduce      b25     layers.1.attention.wk                 2  float32      8.00 KiB     18.2 us  no, stalls 18.2 us
- 47  backward  reduce_scatter  b26     layers.1.attention.wk                 4  float32      8.00 KiB     13.0 us  no, stalls 13.0 us
- 48  backward  all_gather      b27     layers.1.attention.wq                 4  bfloat16     8.00 KiB     13.0 us  no, stalls 13.0 us
- 49  backward  all_reduce      b28     layers.1.attention.wq                 2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
- 50  backward  reduce_scatter  b29     layers.1.attention.wq                 4  float32     16.00 KiB     13.0 us  no, stalls 13.0 us
- 51  backward  all_gather      b30     layers.1.attention_norm               4  bfloat16        128 B     13.0 us  no, stalls 13.0 us
- 52  backward  all_reduce      b31     layers.1.attention_norm               2  float32         256 B     18.0 us  no, stalls 18.0 us
- 53  backward  reduce_scatter  b32     layers.1.attention_norm               4  float32         256 B     13.0 us  no, stalls 13.0 us
- 54  backward  all_gather      b33     layers.0.feed_forward.w2              4  bfloat16    24.00 KiB     13.0 us  no, stalls 13.0 us
- 55  backward  all_reduce      b34     layers.0.feed_forward.w2              2  float32     48.00 KiB     19.0 us  no, stalls 19.0 us
- 56  backward  reduce_scatter  b35     layers.0.feed_forward.w2              4  float32     48.00 KiB     13.1 us  no, stalls 13.1 us
- 57  backward  all_gather      b36     layers.0.feed_forward.w3              4  bfloat16    24.00 KiB     13.0 us  no, stalls 13.0 us
- 58  backward  all_reduce      b37     layers.0.feed_forward.w3              2  float32     48.00 KiB     19.0 us  no, stalls 19.0 us
- 59  backward  reduce_scatter  b38     layers.0.feed_forward.w3              4  float32     48.00 KiB     13.1 us  no, stalls 13.1 us
- 60  backward  all_gather      b39     layers.0.feed_forward.w1              4  bfloat16    24.00 KiB     13.0 us  no, stalls 13.0 us
- 61  backward  all_reduce      b40     layers.0.feed_forward.w1              2  float32     48.00 KiB     19.0 us  no, stalls 19.0 us
- 62  backward  reduce_scatter  b41     layers.0.feed_forward.w1              4  float32     48.00 KiB     13.1 us  no, stalls 13.1 us
- 63  backward  all_gather      b42     layers.0.ffn_norm                     4  bfloat16        128 B     13.0 us  no, stalls 13.0 us
- 64  backward  all_reduce      b43     layers.0.ffn_norm                     2  float32         256 B     18.0 us  no, stalls 18.0 us
- 65  backward  reduce_scatter  b44     layers.0.ffn_norm                     4  float32         256 B     13.0 us  no, stalls 13.0 us
- 66  backward  all_gather      b45     layers.0.attention.wo                 4  bfloat16     8.00 KiB     13.0 us  no, stalls 13.0 us
- 67  backward  all_reduce      b46     layers.0.attention.wo                 2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
- 68  backward  reduce_scatter  b47     layers.0.attention.wo                 4  float32     16.00 KiB     13.0 us  no, stalls 13.0 us
- 69  backward  all_gather      b48     layers.0.attention.wv                 4  bfloat16     4.00 KiB     13.0 us  no, stalls 13.0 us
- 70  backward  all_reduce      b49     layers.0.attention.wv                 2  float32      8.00 KiB     18.2 us  no, stalls 18.2 us
- 71  backward  reduce_scatter  b50     layers.0.attention.wv                 4  float32      8.00 KiB     13.0 us  no, stalls 13.0 us
- 72  backward  all_gather      b51     layers.0.attention.wk                 4  bfloat16     4.00 KiB     13.0 us  no, stalls 13.0 us
- 73  backward  all_reduce      b52     layers.0.attention.wk                 2  float32      8.00 KiB     18.2 us  no, stalls 18.2 us
- 74  backward  reduce_scatter  b53     layers.0.attention.wk                 4  float32      8.00 KiB     13.0 us  no, stalls 13.0 us
- 75  backward  all_gather      b54     layers.0.attention.wq                 4  bfloat16     8.00 KiB     13.0 us  no, stalls 13.0 us
- 76  backward  all_reduce      b55     layers.0.attention.wq                 2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
- 77  backward  reduce_scatter  b56     layers.0.attention.wq                 4  float32     16.00 KiB     13.0 us  no, stalls 13.0 us
- 78  backward  all_gather      b57     layers.0.attention_norm               4  bfloat16        128 B     13.0 us  no, stalls 13.0 us
- 79  backward  all_reduce      b58     layers.0.attention_norm               2  float32         256 B     18.0 us  no, stalls 18.0 us
- 80  backward  reduce_scatter  b59     layers.0.attention_norm               4  float32         256 B     13.0 us  no, stalls 13.0 us
- 81  backward  all_reduce      b60     tok_embeddings                        2  float32     64.00 KiB     19.4 us  no, stalls 19.4 us
- 82  backward  reduce_scatter  b61     tok_embeddings                        4  float32     64.00 KiB     13.1 us  no, stalls 13.1 us
+  1  forward   all_gather      f1      layers.0.attention_norm               4  bfloat16        128 B     13.0 us  yes
+  2  forward   all_gather      f2      layers.0.attention.wq                 4  bfloat16    96.25 KiB     13.2 us  no, stalls 11.2 us
+  3  forward   all_gather      f3      layers.1.attention.wq                 4  bfloat16    96.25 KiB     13.2 us  yes
+  4  forward   all_gather      f4      output                                4  bfloat16    32.00 KiB     13.1 us  yes
+  5  backward  all_gather      b0      output                                4  bfloat16    32.00 KiB     13.1 us  no, stalls 11.0 us
+  6  backward  all_gather      b1      norm                                  4  bfloat16        128 B     13.0 us  no, stalls 0.8 us
+  7  backward  all_reduce      b2      output                                2  float32     64.00 KiB     19.4 us  yes
+  8  backward  all_gather      b3      layers.1.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
+  9  backward  all_reduce      b4      norm                                  2  float32         256 B     18.0 us  no, stalls 38.5 us
+ 10  backward  reduce_scatter  b5      output                                4  float32     64.25 KiB     13.1 us  yes
+ 11  backward  all_gather      b6      layers.0.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
+ 12  backward  all_reduce      b7      layers.1.feed_forward.w2              2  float32     48.00 KiB     19.0 us  yes
+ 13  backward  all_reduce      b8      layers.1.feed_forward.w3              2  float32     48.00 KiB     19.0 us  yes
+ 14  backward  all_reduce      b9      layers.1.feed_forward.w1              2  float32     48.00 KiB     19.0 us  yes
+ 15  backward  all_reduce      b10     layers.1.ffn_norm                     2  float32         256 B     18.0 us  yes
+ 16  backward  all_reduce      b11     layers.1.attention.wo                 2  float32     16.00 KiB     18.3 us  yes
+ 17  backward  all_reduce      b12     layers.1.attention.wv                 2  float32      8.00 KiB     18.2 us  yes
+ 18  backward  all_reduce      b13     layers.1.attention.wk                 2  float32      8.00 KiB     18.2 us  yes
+ 19  backward  all_reduce      b14     layers.1.attention.wq                 2  float32     16.00 KiB     18.3 us  yes
+ 20  backward  all_reduce      b15     layers.1.attention_norm               2  float32         256 B     18.0 us  no, stalls 22.3 us
+ 21  backward  reduce_scatter  b16     layers.1.feed_forward.w2              4  float32    192.50 KiB     13.4 us  yes
+ 22  backward  all_reduce      b17     layers.0.feed_forward.w2              2  float32     48.00 KiB     19.0 us  yes
+ 23  backward  all_reduce      b18     layers.0.feed_forward.w3              2  float32     48.00 KiB     19.0 us  yes
+ 24  backward  all_reduce      b19     layers.0.feed_forward.w1              2  float32     48.00 KiB     19.0 us  yes
+ 25  backward  all_reduce      b20     layers.0.ffn_norm                     2  float32         256 B     18.0 us  yes
+ 26  backward  all_reduce      b21     layers.0.attention.wo                 2  float32     16.00 KiB     18.3 us  yes
+ 27  backward  all_reduce      b22     layers.0.attention.wv                 2  float32      8.00 KiB     18.2 us  yes
+ 28  backward  all_reduce      b23     layers.0.attention.wk                 2  float32      8.00 KiB     18.2 us  yes
+ 29  backward  all_reduce      b24     layers.0.attention.wq                 2  float32     16.00 KiB     18.3 us  yes
+ 30  backward  all_reduce      b25     layers.0.attention_norm               2  float32         256 B     18.0 us  no, stalls 22.3 us
+ 31  backward  reduce_scatter  b26     layers.0.feed_forward.w2              4  float32    192.50 KiB     13.4 us  yes
+ 32  backward  all_reduce      b27     tok_embeddings                        2  float32     64.00 KiB     19.4 us  no, stalls 19.4 us
+ 33  backward  reduce_scatter  b28     tok_embeddings                        4  float32     64.00 KiB     13.1 us  no, stalls 13.1 us
 """)

@@ -1,4 +1,4 @@
-"""``simplefsdp.inspect`` on the fake process group: schedules, golden summaries, files, bad input."""
+"""``simplefsdp.inspect`` on the fake process group: schedules and plans of each pass stage, files, CLI, bad input."""
 
 import json
 import xml.etree.ElementTree as ElementTree
@@ -12,10 +12,11 @@ import simplefsdp
 from simplefsdp.cli import main
 from simplefsdp.ir.capture import TraceError
 from simplefsdp.ir.schedule import COLLECTIVE, WAIT, read_schedule
-from simplefsdp.models.llama import build_model
+from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 
 BF16_FP32 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+LAYERS = get_config("debug").n_layers
 
 
 def inspect_debug(mode: str, **options):
@@ -28,20 +29,26 @@ def inspect_debug(mode: str, **options):
 
 @pytest.fixture(scope="module")
 def fully_sharded():
+    """The default passes: auto buckets, reorder, prefetch 1."""
     return inspect_debug("fully_shard")
+
+
+@pytest.fixture(scope="module")
+def traced(fully_sharded):
+    return fully_sharded.stage("traced")
 
 
 def kinds(schedule, kind):
     return [node.collective.kind for node in schedule.collectives() if node.collective.kind == kind]
 
 
-def test_fully_shard_gathers_every_parameter_and_reduce_scatters_every_gradient(fully_sharded):
+def test_fully_shard_gathers_every_parameter_and_reduce_scatters_every_gradient(traced):
     num_params = len(list(build_model("debug").parameters()))
-    assert len(kinds(fully_sharded.forward, "all_gather")) == num_params
-    assert len(kinds(fully_sharded.backward, "reduce_scatter")) == num_params
+    assert len(kinds(traced.forward, "all_gather")) == num_params
+    assert len(kinds(traced.backward, "reduce_scatter")) == num_params
     # reshard after forward: the backward gathers again every weight its gradient needs (all but the embedding's)
-    assert len(kinds(fully_sharded.backward, "all_gather")) == num_params - 1
-    wq = next(node for node in fully_sharded.forward.collectives() if node.fqn == "layers.0.attention.wq")
+    assert len(kinds(traced.backward, "all_gather")) == num_params - 1
+    wq = next(node for node in traced.forward.collectives() if node.fqn == "layers.0.attention.wq")
     assert wq.collective.bytes == 64 * 64 * 2 and wq.collective.group_size == 8
     assert wq.collective.dtype == torch.bfloat16
 
@@ -62,7 +69,7 @@ def test_schedule_dag_links_each_wait_to_its_collective(fully_sharded):
                 assert schedule.dag.has_edge(node.waits_for, node.name)
 
 
-def test_sharded_param_bytes_and_fqns(fully_sharded):
+def test_sharded_param_bytes_and_fqns(fully_sharded):  # of the final graphs: the passes keep the inputs
     model = build_model("debug")
     fqns = {graph_input.param_fqn for graph_input in fully_sharded.forward.inputs if graph_input.param_fqn}
     assert fqns == {name for name, _ in model.named_parameters()}
@@ -89,19 +96,118 @@ def test_inspect_leaves_the_model_alone():
         assert type(param) is nn.Parameter and torch.equal(param, before[name])
 
 
-def test_save_writes_graphs_summary_svg_and_trace(fully_sharded, tmp_path):
+def test_stages_follow_the_passes_that_are_on(fully_sharded, traced):
+    assert [stage.name for stage in fully_sharded.stages] == ["traced", "bucketed", "reordered"]
+    assert fully_sharded.final is fully_sharded.stage("reordered")
+    assert fully_sharded.prediction is fully_sharded.final.prediction
+    assert traced.forward_plan is None and traced.backward_plan is None
+    with pytest.raises(KeyError, match="no 'bucket' stage; this report has traced, bucketed, reordered"):
+        fully_sharded.stage("bucket")
+    # the passes hide communication that the traced graphs expose
+    assert fully_sharded.prediction.exposed_communication < traced.prediction.exposed_communication
+
+
+def test_bucketing_merges_collectives_and_reordering_only_moves_them(fully_sharded, traced):
+    bucketed, reordered = fully_sharded.stage("bucketed"), fully_sharded.stage("reordered")
+    for phase in ("forward", "backward"):
+        traced_graph, bucketed_graph, reordered_graph = (getattr(s, phase) for s in (traced, bucketed, reordered))
+        assert 0 < len(bucketed_graph.collectives()) < len(traced_graph.collectives())
+        plan = getattr(bucketed, f"{phase}_plan")
+        assert sum(len(bucket.collectives) for bucket in plan.buckets) == len(traced_graph.collectives())
+        assert sorted(n.name for n in reordered_graph.collectives()) == sorted(
+            n.name for n in bucketed_graph.collectives())
+        assert [n.name for n in reordered_graph.nodes] != [n.name for n in bucketed_graph.nodes]
+        assert "all_gather_into_tensor_out" in bucketed_graph.code  # the merged gather into one flat buffer
+
+
+def first(schedule, predicate) -> int:
+    return next(index for index, node in enumerate(schedule.nodes) if predicate(node))
+
+
+def gather_of_layer(schedule, layer: int) -> int:
+    """Where the first all-gather of a ``layers.<layer>`` parameter is issued."""
+    return first(schedule, lambda n: n.kind == COLLECTIVE and n.collective.kind == "all_gather"
+                 and n.fqn.startswith(f"layers.{layer}."))
+
+
+def first_matmul_of_layer(schedule, layer: int) -> int:
+    return first(schedule, lambda n: n.op == "aten.mm.default" and n.fqn.startswith(f"layers.{layer}."))
+
+
+def test_reordering_issues_each_layers_gather_before_the_previous_layers_compute(fully_sharded):
+    bucketed, reordered = fully_sharded.stage("bucketed").forward, fully_sharded.stage("reordered").forward
+    for layer in range(1, LAYERS):
+        assert gather_of_layer(reordered, layer) < first_matmul_of_layer(reordered, layer - 1)
+        assert gather_of_layer(bucketed, layer) > first_matmul_of_layer(bucketed, layer - 1)
+
+
+def test_summary_tabulates_the_stages_then_the_plans_then_the_final_graphs(fully_sharded, traced):
+    summary = fully_sharded.summary()
+    lines = summary.splitlines()
+    assert lines[1].split() == ["stage", "collectives", "predicted", "step", "exposed", "comm.", "peak", "memory"]
+    assert [line.split()[0] for line in lines[2:5]] == ["traced", "bucketed", "reordered"]
+    assert lines[2].split()[1] == str(len(traced.forward.collectives()) + len(traced.backward.collectives()))
+    plans = fully_sharded.plans()
+    assert plans.startswith("bucket plan\nforward: ") and "\nreorder plan\nforward: " in plans
+    assert "  all_gather tok_embeddings: 1 collective(s) [tok_embeddings]" in plans
+    assert "  reduce_scatter layers.0: " in plans and "issue all_gather_into_tensor_out_1 after " in plans
+    assert summary.index(plans) < summary.index("reordered graphs (what runs)\npredicted step")
+
+
+def test_save_writes_each_stage_plans_summary_svg_and_trace(fully_sharded, traced, tmp_path):
     paths = fully_sharded.save(tmp_path)
-    assert sorted(path.name for path in paths) == [
-        "backward.py", "forward.py", "summary.txt", "timeline.svg", "trace.json",
-    ]
-    assert "all_gather_into_tensor" in (tmp_path / "forward.py").read_text()
+    stages = ["0-traced", "1-bucketed", "2-reordered"]
+    assert sorted(path.name for path in paths) == sorted([
+        "backward.py", "forward.py", "plan.txt", "summary.txt", "timeline.svg", "trace.json",
+        *(f"{phase}.{stage}.py" for phase in ("forward", "backward") for stage in stages),
+    ])
+    assert (tmp_path / "forward.0-traced.py").read_text() == traced.forward.code
+    assert (tmp_path / "backward.1-bucketed.py").read_text() == fully_sharded.stage("bucketed").backward.code
+    assert (tmp_path / "forward.py").read_text() == (tmp_path / "forward.2-reordered.py").read_text()
+    assert "all_gather_into_tensor_out" in (tmp_path / "forward.py").read_text()
     assert "reduce_scatter_tensor" in (tmp_path / "backward.py").read_text()
+    assert (tmp_path / "plan.txt").read_text() == fully_sharded.plans()
     svg = ElementTree.parse(tmp_path / "timeline.svg").getroot()
     assert svg.tag.endswith("svg") and len(svg.findall("{http://www.w3.org/2000/svg}rect")) > 100
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     communication = [event for event in events if event.get("tid") == 1 and event["ph"] == "X"]
-    assert len(communication) == 21 + 20 + 21  # forward gathers, backward re-gathers, reduce-scatters
+    assert len(communication) == len(fully_sharded.forward.collectives()) + len(fully_sharded.backward.collectives())
     assert (tmp_path / "summary.txt").read_text() == fully_sharded.summary()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(buckets="blocks"), "unknown bucket mode 'blocks'; choose 'auto', 'block', None, or a manual plan"),
+    (dict(buckets=[["layers.7"]]), "names module(s) that Llama does not have: 'layers.7'"),
+    (dict(reorder="yes"), "reorder must be True or False, got 'yes'"),
+    (dict(prefetch=-1), "prefetch must be a whole number of buckets (0 or more), got -1"),
+    (dict(memory_budget=0), "memory_budget must be a positive number of bytes or None, got 0"),
+])
+def test_bad_pass_options_are_one_clear_line(options, message):
+    with pytest.raises((ValueError, TypeError)) as error:
+        simplefsdp.inspect(build_model("debug"), (torch.zeros(1, 8, dtype=torch.long),), world_size=8, **options)
+    assert "\n" not in str(error.value) and message in str(error.value)
+
+
+def test_cli_without_passes_keeps_only_the_traced_stage(tmp_path, capsys):
+    assert main(["inspect", "--model", "debug", "--seq-len", "16", "--buckets", "none", "--no-reorder",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    stage_rows = out.split("\n\n")[0].splitlines()[2:]  # the title, the table's header, then one row per stage
+    assert [row.split()[0] for row in stage_rows] == ["traced"]
+    assert "no passes applied" in out and "traced graphs (what runs)" in out
+    assert sorted(path.name for path in tmp_path.glob("*ward*.py")) == [
+        "backward.0-traced.py", "backward.py", "forward.0-traced.py", "forward.py"]
+
+
+def test_cli_pass_flags_reach_the_passes(tmp_path, capsys):
+    assert main(["inspect", "--model", "debug", "--seq-len", "16", "--buckets", "block", "--prefetch", "2",
+                 "--out", str(tmp_path)]) == 0
+    plans = (tmp_path / "plan.txt").read_text()
+    assert f"  all_gather layers.{LAYERS - 1}: " in plans and "  all_gather head: " in plans
+    # prefetch 2: the forward's third gather bucket (layers.1) is issued right after the first one's wait
+    reorder = plans[plans.index("reorder plan"):]
+    assert "issue all_gather_into_tensor_out_1 after wait_tensor " in reorder
+    assert "reorder plan" in capsys.readouterr().out
 
 
 def test_unknown_hardware_is_one_line_naming_the_choices():
@@ -141,3 +247,6 @@ def test_cli_reports_bad_input_in_one_line(capsys):
         main(["inspect", "--model", "debug", "--world-size", "12", "--mode", "hybrid_shard"])
     assert str(error.value).startswith("simplefsdp inspect: world size 12 does not fit")
     assert "\n" not in str(error.value)
+    with pytest.raises(SystemExit) as error:
+        main(["inspect", "--model", "debug", "--prefetch", "-1"])
+    assert str(error.value) == "simplefsdp inspect: prefetch must be a whole number of buckets (0 or more), got -1"

@@ -82,6 +82,18 @@ def text_summary(title: str, schedules: list[Schedule], prediction: Prediction, 
     return "\n".join(lines) + "\n"
 
 
+def stage_table(stages: list[tuple[str, list[Schedule], Prediction]]) -> str:
+    """One row per stage (name, its schedules, their prediction): collectives, step, exposed communication, peak."""
+    lines = [f"{'stage':10}  {'collectives':>11}  {'predicted step':>14}  {'exposed comm.':>13}  {'peak memory':>11}"]
+    for name, schedules, prediction in stages:
+        collectives = sum(len(schedule.collectives()) for schedule in schedules)
+        lines.append(
+            f"{name:10}  {collectives:>11}  {format_seconds(prediction.step_time):>14}  "
+            f"{format_seconds(prediction.exposed_communication):>13}  {format_bytes(prediction.memory.peak_bytes):>11}"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def svg_timeline(title: str, schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> str:
     """Two lanes (compute, communication; collectives coloured by bucket) and the memory curve under them."""
     width, left, lane, top = 1200, 110, 26, 40

@@ -2,7 +2,9 @@
 
 ``OverlapPasses`` reads each post-grad graph (forward or backward) into a
 schedule, plans and applies bucketing, then plans and applies reordering on the
-bucketed graph. It is handed to ``torch.compile(options=...)`` of one model
+bucketed graph; ``OverlapPasses.stages`` is that one code path, and yields the
+schedule after each step, which is how ``simplefsdp.inspect`` shows the graphs
+before and after each pass. It is handed to ``torch.compile(options=...)`` of one model
 only (``inductor_options``), so other models compiled in the process are
 unaffected. Its ``uuid()`` hashes the source of this package's pass files and
 the options, so Inductor's FX graph cache stays valid when either changes.
@@ -11,14 +13,15 @@ the options, so Inductor's FX graph cache stays valid when either changes.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from simplefsdp.ir.hardware import get_profile
-from simplefsdp.ir.schedule import read_schedule
+from simplefsdp.ir.hardware import HardwareProfile, get_profile
+from simplefsdp.ir.schedule import Schedule, read_schedule
 from simplefsdp.passes.auto_buckets import plan_auto_buckets
 from simplefsdp.passes.bucket_apply import apply_buckets
 from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan, plan_buckets
@@ -27,33 +30,59 @@ from simplefsdp.passes.reorder import ReorderPlan, apply_reorder, plan_reorder
 _SOURCES = sorted(Path(__file__).parent.glob("*.py")) + sorted((Path(__file__).parent.parent / "ir").glob("*.py"))
 
 
+@dataclass(frozen=True)
+class PassStage:
+    """One graph after a step of the passes: ``name`` is ``"traced"``, ``"bucketed"`` or ``"reordered"``.
+
+    ``plan`` is what that step applied (``None`` for the traced graph).
+    """
+
+    name: str
+    schedule: Schedule
+    plan: BucketPlan | ReorderPlan | None
+
+
 class OverlapPasses(CustomGraphPass):
     """Bucket (``buckets``) then reorder (``reorder``, ``prefetch`` buckets ahead) one graph, in place.
 
-    ``plans`` collects what was planned for each graph compiled (phase, bucket plan, reorder plan).
+    ``plans`` collects what was planned for each graph compiled (bucket plan, reorder plan; ``None`` for a
+    pass that is off).
     """
 
     def __init__(self, buckets: BucketMode = "auto", reorder: bool = True, prefetch: int = 1,
-                 memory_budget: int | None = None, hardware: str = "h100") -> None:
+                 memory_budget: int | None = None, hardware: str | HardwareProfile = "h100") -> None:
         self.buckets = buckets
         self.reorder = reorder
         self.prefetch = prefetch
         self.memory_budget = memory_budget
         self.hardware = hardware
-        self.plans: list[tuple[BucketPlan, ReorderPlan | None]] = []
+        self.plans: list[tuple[BucketPlan | None, ReorderPlan | None]] = []
 
     def __call__(self, graph: fx.Graph) -> None:
-        phase = graph_phase(graph)
-        bucket_plan = self.plan_buckets(read_schedule(graph.owning_module, phase))
-        apply_buckets(graph, bucket_plan)
-        reorder_plan = None
-        if self.reorder:
-            reorder_plan = plan_reorder(read_schedule(graph.owning_module, phase), self.prefetch)
-            apply_reorder(graph, reorder_plan)
-        graph.owning_module.recompile()
-        self.plans.append((bucket_plan, reorder_plan))
+        plans = {stage.name: stage.plan for stage in self.stages(graph.owning_module, graph_phase(graph))}
+        self.plans.append((plans.get("bucketed"), plans.get("reordered")))
 
-    def plan_buckets(self, schedule) -> BucketPlan:
+    def stages(self, gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | None = None) -> Iterator[PassStage]:
+        """Run the passes on ``gm`` in place, yielding its schedule before them and after each pass that is on.
+
+        Each schedule is read (with ``param_fqns``, see ``read_schedule``) when its stage is reached; a pass
+        that is off yields no stage.
+        """
+        schedule = read_schedule(gm, phase, param_fqns)
+        yield PassStage("traced", schedule, None)
+        if self.buckets is not None:
+            bucket_plan = self.plan_buckets(schedule)
+            apply_buckets(gm.graph, bucket_plan)
+            gm.recompile()
+            schedule = read_schedule(gm, phase, param_fqns)
+            yield PassStage("bucketed", schedule, bucket_plan)
+        if self.reorder:
+            reorder_plan = plan_reorder(schedule, self.prefetch)
+            apply_reorder(gm.graph, reorder_plan)
+            gm.recompile()
+            yield PassStage("reordered", read_schedule(gm, phase, param_fqns), reorder_plan)
+
+    def plan_buckets(self, schedule: Schedule) -> BucketPlan:
         """The bucket plan of ``schedule`` for this pass's options."""
         if self.buckets == "auto":
             return plan_auto_buckets(schedule, get_profile(self.hardware), self.memory_budget, self.prefetch)
