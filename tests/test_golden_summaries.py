@@ -46,8 +46,8 @@ def test_fully_shard_summary(fully_shard):
 debug, fully_shard, world 8, h100
 stage       collectives  predicted step  exposed comm.  peak memory
 traced               62        1.905 ms       1.056 ms   915.23 KiB
-bucketed             13        1.176 ms       223.4 us     1.02 MiB
-reordered            13        1.022 ms        70.2 us     1.12 MiB
+bucketed             13        1.023 ms       223.4 us     1.02 MiB
+reordered            13        870.0 us        70.2 us     1.12 MiB
 
 bucket plan
 forward: 5 bucket(s)
@@ -83,7 +83,7 @@ backward: 4 prefetch(es), 3 sunk wait(s)
   sink wait_tensor_45 to before reduce_scatter_tensor_20
 
 reordered graphs (what runs)
-predicted step 1.022 ms: compute 952.2 us, communication 223.4 us, exposed 70.2 us, overlap 68.6%, lower bound 952.2 us
+predicted step 870.0 us: compute 799.8 us, communication 223.4 us, exposed 70.2 us, overlap 68.6%, lower bound 799.8 us
 peak memory per rank 1.12 MiB at backward:mul_38: sharded_params 64.16 KiB, unsharded_params 96.25 KiB, gradients 8.03 KiB, comm_buffers 0 B, activations 975.30 KiB
 FLOPs per rank per step 1.174e+08
 
@@ -250,8 +250,8 @@ def test_hybrid_shard_summary():
 debug, hybrid_shard, world 8, h100-4-per-node
 stage       collectives  predicted step  exposed comm.  peak memory
 traced               83        2.046 ms       1.197 ms   999.42 KiB
-bucketed             34        1.513 ms       560.2 us     1.09 MiB
-reordered            34        1.104 ms       151.6 us     1.19 MiB
+bucketed             34        1.360 ms       560.2 us     1.09 MiB
+reordered            34        955.5 us       155.7 us     1.19 MiB
 
 bucket plan
 forward: 5 bucket(s)
@@ -282,29 +282,29 @@ backward: 4 prefetch(es), 20 sunk wait(s)
   issue all_gather_into_tensor_19 after wait_tensor_20 (before mm_16)
   issue all_gather_into_tensor_out after wait_tensor_19 (before mul_29)
   issue all_gather_into_tensor_out_1 after wait_tensor_63 (before mm_18)
-  sink wait_tensor_21 to before cat
+  sink wait_tensor_21 to before _pre_bucket_reduce_scatter
   sink wait_tensor to before reduce_scatter_tensor_22
-  sink wait_tensor_25 to before cat_2
-  sink wait_tensor_27 to before cat_2
-  sink wait_tensor_29 to before cat_2
-  sink wait_tensor_31 to before cat_2
-  sink wait_tensor_33 to before cat_2
-  sink wait_tensor_35 to before cat_2
-  sink wait_tensor_37 to before cat_2
-  sink wait_tensor_39 to before cat_2
+  sink wait_tensor_25 to before _pre_bucket_reduce_scatter_1
+  sink wait_tensor_27 to before _pre_bucket_reduce_scatter_1
+  sink wait_tensor_29 to before _pre_bucket_reduce_scatter_1
+  sink wait_tensor_31 to before _pre_bucket_reduce_scatter_1
+  sink wait_tensor_33 to before _pre_bucket_reduce_scatter_1
+  sink wait_tensor_35 to before _pre_bucket_reduce_scatter_1
+  sink wait_tensor_37 to before _pre_bucket_reduce_scatter_1
+  sink wait_tensor_39 to before _pre_bucket_reduce_scatter_1
   sink wait_tensor_64 to before reduce_scatter_tensor_23
-  sink wait_tensor_43 to before cat_4
-  sink wait_tensor_45 to before cat_4
-  sink wait_tensor_47 to before cat_4
-  sink wait_tensor_49 to before cat_4
-  sink wait_tensor_51 to before cat_4
-  sink wait_tensor_53 to before cat_4
-  sink wait_tensor_55 to before cat_4
-  sink wait_tensor_57 to before cat_4
+  sink wait_tensor_43 to before _pre_bucket_reduce_scatter_2
+  sink wait_tensor_45 to before _pre_bucket_reduce_scatter_2
+  sink wait_tensor_47 to before _pre_bucket_reduce_scatter_2
+  sink wait_tensor_49 to before _pre_bucket_reduce_scatter_2
+  sink wait_tensor_51 to before _pre_bucket_reduce_scatter_2
+  sink wait_tensor_53 to before _pre_bucket_reduce_scatter_2
+  sink wait_tensor_55 to before _pre_bucket_reduce_scatter_2
+  sink wait_tensor_57 to before _pre_bucket_reduce_scatter_2
   sink wait_tensor_66 to before reduce_scatter_tensor_20
 
 reordered graphs (what runs)
-predicted step 1.104 ms: compute 952.4 us, communication 560.2 us, exposed 151.6 us, overlap 72.9%, lower bound 952.4 us
+predicted step 955.5 us: compute 799.9 us, communication 560.2 us, exposed 155.7 us, overlap 72.2%, lower bound 799.9 us
 peak memory per rank 1.19 MiB at backward:mul_38: sharded_params 128.31 KiB, unsharded_params 96.25 KiB, gradients 112.06 KiB, comm_buffers 0 B, activations 879.30 KiB
 FLOPs per rank per step 1.174e+08
 
@@ -318,7 +318,7 @@ FLOPs per rank per step 1.174e+08
   6  backward  all_gather      b1      norm                                  4  bfloat16        128 B     13.0 us  no, stalls 0.8 us
   7  backward  all_reduce      b2      output                                2  float32     64.00 KiB     19.4 us  yes
   8  backward  all_gather      b3      layers.1.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
-  9  backward  all_reduce      b4      norm                                  2  float32         256 B     18.0 us  no, stalls 38.5 us
+  9  backward  all_reduce      b4      norm                                  2  float32         256 B     18.0 us  no, stalls 42.5 us
  10  backward  reduce_scatter  b5      output                                4  float32     64.25 KiB     13.1 us  yes
  11  backward  all_gather      b6      layers.0.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
  12  backward  all_reduce      b7      layers.1.feed_forward.w2              2  float32     48.00 KiB     19.0 us  yes

@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from simplefsdp.ir.cost_model import as_number
-from simplefsdp.ir.schedule import COLLECTIVE, Schedule, ScheduleNode
+from simplefsdp.ir.schedule import COLLECTIVE, COMPUTE, Schedule, ScheduleNode
 
 _END = 1 << 62  # a step after the last one
 CATEGORIES = ("sharded_params", "unsharded_params", "gradients", "comm_buffers", "activations")
@@ -110,11 +110,16 @@ class _Liveness:
         for node in nodes:
             for name in node.inputs:
                 users[name].append(node)
+        # Ops that return several new tensors (read through getitem): each item is its own storage.
+        split = {node.name: node for node in nodes if node.kind == COMPUTE and node.alias_of is None
+                 and users[node.name] and all(user.op == "getitem" for user in users[node.name])}
         for node in nodes:
             key = f"{phase}:{node.name}"
-            if node.alias_of is not None:
+            if node.alias_of in split:
+                self.allocate(key, as_number(node.bytes_written), _category(split[node.alias_of], users[node.name]))
+            elif node.alias_of is not None:
                 self.root[key] = self.root.get(f"{phase}:{node.alias_of}", key)
-            else:
+            elif node.name not in split:
                 self.allocate(key, as_number(node.bytes_written), _category(node, users[node.name]))
             for name in node.inputs:
                 self.use(f"{phase}:{name}", self.step)

@@ -62,7 +62,8 @@ class ScheduleNode:
     """One operation of the graph, in program order.
 
     ``alias_of`` names the node whose storage this one shares (views, waits,
-    tuple items); such nodes allocate nothing and cost nothing.
+    tuple items); such nodes allocate nothing and cost nothing, except the
+    items of an op that returns several new tensors (``ir.memory``).
     """
 
     name: str
@@ -163,7 +164,7 @@ def _read_node(fx_node: fx.Node) -> ScheduleNode:
         return ScheduleNode(kind=WAIT, waits_for=source, alias_of=call.args[0].name, **common)
     alias = _aliased_input(call)
     if alias is not None:
-        return ScheduleNode(kind=COMPUTE, alias_of=alias, **common)
+        return ScheduleNode(kind=COMPUTE, alias_of=alias, bytes_written=_output_bytes(fx_node), **common)
     tensors = dict.fromkeys(arg for arg in tree_flatten((call.args, call.kwargs))[0]
                             if isinstance(arg, fx.Node) and _is_tensor_node(arg))
     read = sum((tensor_bytes(arg.meta["val"]) for arg in tensors), 0)

@@ -1,10 +1,13 @@
 """Every private PyTorch Inductor API the passes use, in one place (tested in tests/test_passes.py).
 
 - ``merge_all_gathers`` / ``merge_reduce_scatters``: Inductor's FX bucketing
-  (``torch._inductor.fx_passes.bucketing``) merges a list of collectives into
-  one collective on a flat buffer, with copy-in (``cat``) and copy-out
-  (``split`` + ``reshape``) views; padding for uneven shards happens before the
-  all-gather and after the reduce-scatter, outside the merged region.
+  (``torch._inductor.fx_passes.bucketing``) replaces a list of collectives by
+  one collective on a flat buffer: ``process_collective_bucket`` traces our
+  ``bucket_copies.all_gather_bucket`` in place of all-gathers (folding a cast
+  just before each into the copy-in), and ``merge_reduce_scatter_bucket`` in its
+  ``custom_ops`` mode copies gradients in with one opaque op and out as views.
+  Padding for uneven shards happens before the all-gather and after the
+  reduce-scatter, outside the merged region.
 - ``pin_order``: ``control_dependencies.preserve_node_ordering`` adds
   dependencies that Inductor's scheduler (``reorder_for_peak_memory`` and
   friends) must respect.
@@ -13,21 +16,33 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import fx
-from torch._inductor.fx_passes.bucketing import merge_all_gather_bucket, merge_reduce_scatter_bucket
+from torch._inductor.fx_passes.bucketing import merge_reduce_scatter_bucket, process_collective_bucket
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._ordered_set import OrderedSet
+
+from simplefsdp.passes.bucket_copies import all_gather_bucket
 
 
 def merge_all_gathers(graph: fx.Graph, all_gathers: list[fx.Node]) -> None:
-    """Replace ``all_gathers`` (each with one wait) by one all-gather placed where the first one was."""
-    merge_all_gather_bucket(graph, all_gathers, mode="default", insert_before=all_gathers[0])
+    """Replace ``all_gathers`` (one process group and dtype, each with one wait) by one all-gather placed where
+    the first one was."""
+    _, group_size, group_name = all_gathers[0].args
+    rank = dist.get_rank(_resolve_process_group(group_name))
+    dtype = all_gathers[0].meta["val"].dtype
+
+    def trace_args(shards: list[fx.Node]) -> tuple:
+        return [shard.meta["val"] for shard in shards], group_name, group_size, rank, dtype
+
+    process_collective_bucket(graph, all_gathers, all_gather_bucket, trace_args, insert_before=all_gathers[0])
 
 
 def merge_reduce_scatters(graph: fx.Graph, reduce_scatters: list[fx.Node]) -> None:
     """Replace ``reduce_scatters`` (each with one wait) by one reduce-scatter placed after the last one."""
-    merge_reduce_scatter_bucket(graph, reduce_scatters, mode="default", insert_before=reduce_scatters[-1].next)
+    merge_reduce_scatter_bucket(graph, reduce_scatters, mode="custom_ops", insert_before=reduce_scatters[-1].next)
 
 
 def topological_sort(graph: fx.Graph) -> None:

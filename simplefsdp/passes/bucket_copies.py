@@ -1,0 +1,70 @@
+"""The copy-in and copy-out of an all-gather bucket, as two custom ops Inductor calls instead of generating code.
+
+A bucket's flat buffer holds, for each rank ``r``, the shards of its parameters
+one after another (``shards`` of rank ``r`` at ``[r * total, (r + 1) * total)``).
+Generated copy kernels would read each parameter at its own offset in that
+buffer, so no two blocks' kernels would be alike and Inductor, which compiles
+each distinct kernel once, would compile a few per parameter; as opaque ops the
+copies cost no compilation at all. Both ops copy, never alias their inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.custom_op("simplefsdp::all_gather_copy_in", mutates_args=())
+def all_gather_copy_in(shards: list[torch.Tensor], group_size: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """A new flat buffer for ``group_size`` ranks whose slice for ``rank`` holds ``shards``, cast to ``dtype``."""
+    total = sum(shard.numel() for shard in shards)
+    buffer = torch.empty(total * group_size, dtype=dtype, device=shards[0].device)
+    local = buffer.narrow(0, total * rank, total).split([shard.numel() for shard in shards])
+    torch._foreach_copy_(list(local), [shard.reshape(-1) for shard in shards])
+    return buffer
+
+
+@all_gather_copy_in.register_fake
+def _(shards: list[torch.Tensor], group_size: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    total = sum(shard.numel() for shard in shards)
+    return shards[0].new_empty(total * group_size, dtype=dtype)
+
+
+@torch.library.custom_op("simplefsdp::all_gather_copy_out", mutates_args=())
+def all_gather_copy_out(gathered: torch.Tensor, group_size: int, numels: list[int], ndims: list[int],
+                        sizes: list[int]) -> list[torch.Tensor]:
+    """Each parameter of the gathered buffer (``numels`` elements per rank) as a new tensor.
+
+    Parameter ``i`` has ``ndims[i]`` dimensions, listed one parameter after another in ``sizes``.
+    """
+    parts = gathered.view(group_size, -1).split(numels, dim=1)
+    outputs = [gathered.new_empty(shape) for shape in _shapes(ndims, sizes)]
+    for output, part in zip(outputs, parts):
+        output.view(group_size, -1).copy_(part)
+    return outputs
+
+
+@all_gather_copy_out.register_fake
+def _(gathered: torch.Tensor, group_size: int, numels: list[int], ndims: list[int],
+      sizes: list[int]) -> list[torch.Tensor]:
+    return [gathered.new_empty(shape) for shape in _shapes(ndims, sizes)]
+
+
+def _shapes(ndims: list[int], sizes: list[int]) -> list[list[int]]:
+    ends = [sum(ndims[:index + 1]) for index in range(len(ndims))]
+    return [sizes[end - ndim:end] for ndim, end in zip(ndims, ends)]
+
+
+def all_gather_bucket(shards: list[torch.Tensor], group_name: str, group_size: int, rank: int,
+                      dtype: torch.dtype) -> list[torch.Tensor]:
+    """All-gather ``shards`` as one collective: copy in, gather into the flat buffer, wait, copy out.
+
+    Traced into the graph in place of the bucket's all-gathers (``inductor_internals.merge_all_gathers``).
+    """
+    buffer = torch.ops.simplefsdp.all_gather_copy_in(shards, group_size, rank, dtype)
+    total = sum(shard.numel() for shard in shards)
+    local = buffer.narrow(0, total * rank, total)
+    functional = torch.ops._c10d_functional
+    gathered = functional.wait_tensor(functional.all_gather_into_tensor_out(local, group_size, group_name, out=buffer))
+    sizes = [size for shard in shards for size in (shard.shape[0] * group_size, *shard.shape[1:])]
+    return torch.ops.simplefsdp.all_gather_copy_out(
+        gathered, group_size, [shard.numel() for shard in shards], [shard.ndim for shard in shards], sizes)
