@@ -249,9 +249,9 @@ def test_hybrid_shard_summary():
     assert_expected_inline(debug_report("hybrid_shard", H100_4_PER_NODE).summary(), """\
 debug, hybrid_shard, world 8, h100-4-per-node
 stage       collectives  predicted step  exposed comm.  peak memory
-traced               83        2.046 ms       1.197 ms   999.42 KiB
-bucketed             34        1.360 ms       560.2 us     1.09 MiB
-reordered            34        955.5 us       155.7 us     1.19 MiB
+traced               83        2.038 ms       1.189 ms   999.42 KiB
+bucketed             34        1.352 ms       551.9 us     1.22 MiB
+reordered            34        1.025 ms       225.3 us     1.31 MiB
 
 bucket plan
 forward: 5 bucket(s)
@@ -282,30 +282,30 @@ backward: 4 prefetch(es), 20 sunk wait(s)
   issue all_gather_into_tensor_19 after wait_tensor_20 (before mm_16)
   issue all_gather_into_tensor_out after wait_tensor_19 (before mul_29)
   issue all_gather_into_tensor_out_1 after wait_tensor_63 (before mm_18)
-  sink wait_tensor_21 to before _pre_bucket_reduce_scatter
-  sink wait_tensor to before reduce_scatter_tensor_22
-  sink wait_tensor_25 to before _pre_bucket_reduce_scatter_1
-  sink wait_tensor_27 to before _pre_bucket_reduce_scatter_1
-  sink wait_tensor_29 to before _pre_bucket_reduce_scatter_1
-  sink wait_tensor_31 to before _pre_bucket_reduce_scatter_1
-  sink wait_tensor_33 to before _pre_bucket_reduce_scatter_1
-  sink wait_tensor_35 to before _pre_bucket_reduce_scatter_1
-  sink wait_tensor_37 to before _pre_bucket_reduce_scatter_1
-  sink wait_tensor_39 to before _pre_bucket_reduce_scatter_1
-  sink wait_tensor_64 to before reduce_scatter_tensor_23
-  sink wait_tensor_43 to before _pre_bucket_reduce_scatter_2
-  sink wait_tensor_45 to before _pre_bucket_reduce_scatter_2
-  sink wait_tensor_47 to before _pre_bucket_reduce_scatter_2
-  sink wait_tensor_49 to before _pre_bucket_reduce_scatter_2
-  sink wait_tensor_51 to before _pre_bucket_reduce_scatter_2
-  sink wait_tensor_53 to before _pre_bucket_reduce_scatter_2
-  sink wait_tensor_55 to before _pre_bucket_reduce_scatter_2
-  sink wait_tensor_57 to before _pre_bucket_reduce_scatter_2
-  sink wait_tensor_66 to before reduce_scatter_tensor_20
+  sink wait_tensor_22 to before wait_tensor_62
+  sink wait_tensor_24 to before wait_tensor_62
+  sink wait_tensor_26 to before wait_tensor_62
+  sink wait_tensor_28 to before wait_tensor_62
+  sink wait_tensor_30 to before wait_tensor_62
+  sink wait_tensor_32 to before wait_tensor_62
+  sink wait_tensor_34 to before wait_tensor_62
+  sink wait_tensor_36 to before wait_tensor_62
+  sink wait_tensor_38 to before wait_tensor_62
+  sink wait_tensor_40 to before wait_tensor_62
+  sink wait_tensor_42 to before wait_tensor_62
+  sink wait_tensor_44 to before wait_tensor_62
+  sink wait_tensor_46 to before wait_tensor_62
+  sink wait_tensor_48 to before wait_tensor_62
+  sink wait_tensor_50 to before wait_tensor_62
+  sink wait_tensor_52 to before wait_tensor_62
+  sink wait_tensor_54 to before wait_tensor_62
+  sink wait_tensor_56 to before wait_tensor_62
+  sink wait_tensor_58 to before wait_tensor_62
+  sink wait_tensor_60 to before wait_tensor_62
 
 reordered graphs (what runs)
-predicted step 955.5 us: compute 799.9 us, communication 560.2 us, exposed 155.7 us, overlap 72.2%, lower bound 799.9 us
-peak memory per rank 1.19 MiB at backward:mul_38: sharded_params 128.31 KiB, unsharded_params 96.25 KiB, gradients 112.06 KiB, comm_buffers 0 B, activations 879.30 KiB
+predicted step 1.025 ms: compute 799.9 us, communication 551.9 us, exposed 225.3 us, overlap 59.2%, lower bound 799.9 us
+peak memory per rank 1.31 MiB at backward:all_gather_into_tensor_out_1: sharded_params 128.31 KiB, unsharded_params 192.50 KiB, gradients 16.06 KiB, comm_buffers 0 B, activations 1007.80 KiB
 FLOPs per rank per step 1.174e+08
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
@@ -316,31 +316,31 @@ FLOPs per rank per step 1.174e+08
   4  forward   all_gather      f4      output                                4  bfloat16    32.00 KiB     13.1 us  yes
   5  backward  all_gather      b0      output                                4  bfloat16    32.00 KiB     13.1 us  no, stalls 11.0 us
   6  backward  all_gather      b1      norm                                  4  bfloat16        128 B     13.0 us  no, stalls 0.8 us
-  7  backward  all_reduce      b2      output                                2  float32     64.00 KiB     19.4 us  yes
-  8  backward  all_gather      b3      layers.1.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
-  9  backward  all_reduce      b4      norm                                  2  float32         256 B     18.0 us  no, stalls 42.5 us
- 10  backward  reduce_scatter  b5      output                                4  float32     64.25 KiB     13.1 us  yes
+  7  backward  all_gather      b2      layers.1.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
+  8  backward  reduce_scatter  b3      output                                4  float32     64.25 KiB     13.1 us  no, stalls 18.3 us
+  9  backward  all_reduce      b4      (top)                                 2  float32     16.00 KiB     18.3 us  yes
+ 10  backward  all_reduce      b5      (top)                                 2  float32          64 B     18.0 us  yes
  11  backward  all_gather      b6      layers.0.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
- 12  backward  all_reduce      b7      layers.1.feed_forward.w2              2  float32     48.00 KiB     19.0 us  yes
- 13  backward  all_reduce      b8      layers.1.feed_forward.w3              2  float32     48.00 KiB     19.0 us  yes
- 14  backward  all_reduce      b9      layers.1.feed_forward.w1              2  float32     48.00 KiB     19.0 us  yes
- 15  backward  all_reduce      b10     layers.1.ffn_norm                     2  float32         256 B     18.0 us  yes
- 16  backward  all_reduce      b11     layers.1.attention.wo                 2  float32     16.00 KiB     18.3 us  yes
- 17  backward  all_reduce      b12     layers.1.attention.wv                 2  float32      8.00 KiB     18.2 us  yes
- 18  backward  all_reduce      b13     layers.1.attention.wk                 2  float32      8.00 KiB     18.2 us  yes
- 19  backward  all_reduce      b14     layers.1.attention.wq                 2  float32     16.00 KiB     18.3 us  yes
- 20  backward  all_reduce      b15     layers.1.attention_norm               2  float32         256 B     18.0 us  no, stalls 22.3 us
- 21  backward  reduce_scatter  b16     layers.1.feed_forward.w2              4  float32    192.50 KiB     13.4 us  yes
- 22  backward  all_reduce      b17     layers.0.feed_forward.w2              2  float32     48.00 KiB     19.0 us  yes
- 23  backward  all_reduce      b18     layers.0.feed_forward.w3              2  float32     48.00 KiB     19.0 us  yes
- 24  backward  all_reduce      b19     layers.0.feed_forward.w1              2  float32     48.00 KiB     19.0 us  yes
- 25  backward  all_reduce      b20     layers.0.ffn_norm                     2  float32         256 B     18.0 us  yes
- 26  backward  all_reduce      b21     layers.0.attention.wo                 2  float32     16.00 KiB     18.3 us  yes
- 27  backward  all_reduce      b22     layers.0.attention.wv                 2  float32      8.00 KiB     18.2 us  yes
- 28  backward  all_reduce      b23     layers.0.attention.wk                 2  float32      8.00 KiB     18.2 us  yes
- 29  backward  all_reduce      b24     layers.0.attention.wq                 2  float32     16.00 KiB     18.3 us  yes
- 30  backward  all_reduce      b25     layers.0.attention_norm               2  float32         256 B     18.0 us  no, stalls 22.3 us
- 31  backward  reduce_scatter  b26     layers.0.feed_forward.w2              4  float32    192.50 KiB     13.4 us  yes
- 32  backward  all_reduce      b27     tok_embeddings                        2  float32     64.00 KiB     19.4 us  no, stalls 19.4 us
- 33  backward  reduce_scatter  b28     tok_embeddings                        4  float32     64.00 KiB     13.1 us  no, stalls 13.1 us
+ 12  backward  reduce_scatter  b7      layers.1.feed_forward.w2              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
+ 13  backward  all_reduce      b8      (top)                                 2  float32     12.00 KiB     18.3 us  yes
+ 14  backward  all_reduce      b9      (top)                                 2  float32     12.00 KiB     18.3 us  yes
+ 15  backward  all_reduce      b10     (top)                                 2  float32     12.00 KiB     18.3 us  yes
+ 16  backward  all_reduce      b11     (top)                                 2  float32          64 B     18.0 us  yes
+ 17  backward  all_reduce      b12     (top)                                 2  float32      4.00 KiB     18.1 us  yes
+ 18  backward  all_reduce      b13     (top)                                 2  float32      2.00 KiB     18.0 us  yes
+ 19  backward  all_reduce      b14     (top)                                 2  float32      2.00 KiB     18.0 us  yes
+ 20  backward  all_reduce      b15     (top)                                 2  float32      4.00 KiB     18.1 us  yes
+ 21  backward  all_reduce      b16     (top)                                 2  float32          64 B     18.0 us  yes
+ 22  backward  reduce_scatter  b17     layers.0.feed_forward.w2              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
+ 23  backward  all_reduce      b18     (top)                                 2  float32     12.00 KiB     18.3 us  yes
+ 24  backward  all_reduce      b19     (top)                                 2  float32     12.00 KiB     18.3 us  yes
+ 25  backward  all_reduce      b20     (top)                                 2  float32     12.00 KiB     18.3 us  yes
+ 26  backward  all_reduce      b21     (top)                                 2  float32          64 B     18.0 us  yes
+ 27  backward  all_reduce      b22     (top)                                 2  float32      4.00 KiB     18.1 us  yes
+ 28  backward  all_reduce      b23     (top)                                 2  float32      2.00 KiB     18.0 us  yes
+ 29  backward  all_reduce      b24     (top)                                 2  float32      2.00 KiB     18.0 us  yes
+ 30  backward  all_reduce      b25     (top)                                 2  float32      4.00 KiB     18.1 us  yes
+ 31  backward  all_reduce      b26     (top)                                 2  float32          64 B     18.0 us  yes
+ 32  backward  reduce_scatter  b27     tok_embeddings                        4  float32     64.00 KiB     13.1 us  no, stalls 125.7 us
+ 33  backward  all_reduce      b28     (top)                                 2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
 """)

@@ -1,5 +1,6 @@
 """``simplefsdp.inspect`` on the fake process group: schedules and plans of each pass stage, files, CLI, bad input."""
 
+import dataclasses
 import json
 import xml.etree.ElementTree as ElementTree
 
@@ -11,6 +12,7 @@ from torch import nn
 import simplefsdp
 from simplefsdp.cli import main
 from simplefsdp.ir.capture import TraceError
+from simplefsdp.ir.hardware import get_profile
 from simplefsdp.ir.schedule import COLLECTIVE, WAIT, read_schedule
 from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.runtime.mixed_precision import MixedPrecision
@@ -250,3 +252,22 @@ def test_cli_reports_bad_input_in_one_line(capsys):
     with pytest.raises(SystemExit) as error:
         main(["inspect", "--model", "debug", "--prefetch", "-1"])
     assert str(error.value) == "simplefsdp inspect: prefetch must be a whole number of buckets (0 or more), got -1"
+
+
+def test_hybrid_shard_all_reduces_shards_not_whole_gradients():
+    """On a (2 replicas, 4 shards) mesh each gradient is reduce-scattered over the shards first,
+    then only its shard is all-reduced over the replicas: a quarter of the bytes."""
+    with torch.device("meta"):
+        model = build_model("debug")
+    report = simplefsdp.inspect(model, (torch.zeros(1, 16, dtype=torch.long),), world_size=8, mode="hybrid_shard",
+                     hardware=dataclasses.replace(get_profile("h100"), devices_per_node=4),
+                     buckets=None, reorder=False)
+    backward = report.backward
+    reduce_scatters = [n for n in backward.collectives() if n.collective.kind == "reduce_scatter"]
+    all_reduces = [n for n in backward.collectives() if n.collective.kind == "all_reduce"]
+    assert len(reduce_scatters) == len(all_reduces) == len(list(model.parameters()))
+    assert {n.collective.group_size for n in reduce_scatters} == {4}
+    assert {n.collective.group_size for n in all_reduces} == {2}
+    assert 4 * sum(n.collective.bytes for n in all_reduces) == sum(n.collective.bytes for n in reduce_scatters)
+    position = {n.name: index for index, n in enumerate(backward.nodes)}
+    assert position[all_reduces[0].name] > position[reduce_scatters[0].name]

@@ -55,12 +55,24 @@ class ReplicateComputation:
     sync: GradientSync = field(default_factory=GradientSync, compare=False)
 
     def gather(self, param: DTensor) -> torch.Tensor:
-        """All-gather ``param`` in ``param_dtype``; its gradient is averaged over ranks in ``reduce_dtype``."""
+        """All-gather ``param`` in ``param_dtype``; its gradient is averaged over ranks in ``reduce_dtype``.
+
+        On a (replicas, shards) mesh the gradient is reduce-scattered over the shards first and its
+        shard then all-reduced over the replicas, so the replicas exchange shards, not whole gradients.
+        """
         ndim = param.device_mesh.ndim
+        grad_placements = [Partial("avg")] * ndim
+        if ndim == 2:
+            # The no-op redistribute's backward all-reduces the shard's gradient over the replicas.
+            shard = param.redistribute(param.device_mesh, param.placements).to_local(
+                grad_placements=[Partial("avg"), param.placements[1]])
+            param = DTensor.from_local(shard, param.device_mesh, param.placements, run_check=False,
+                                       shape=param.shape, stride=param.stride())
+            grad_placements = [Replicate(), Partial("avg")]
         full = param.redistribute(
             placements=[Replicate()] * ndim, forward_dtype=self.param_dtype, backward_dtype=self.reduce_dtype
         )
-        return full.to_local(grad_placements=[Partial("avg")] * ndim)
+        return full.to_local(grad_placements=grad_placements)
 
     def compute_view(self, param: DTensor, accumulator: torch.Tensor) -> torch.Tensor:
         """The gathered parameter; with sync off its gradient goes to ``accumulator`` unreduced."""
