@@ -318,29 +318,29 @@ FLOPs per rank per step 1.174e+08
   6  backward  all_gather      b1      norm                                  4  bfloat16        128 B     13.0 us  no, stalls 0.8 us
   7  backward  all_gather      b2      layers.1.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
   8  backward  reduce_scatter  b3      output                                4  float32     64.25 KiB     13.1 us  no, stalls 18.3 us
-  9  backward  all_reduce      b4      (top)                                 2  float32     16.00 KiB     18.3 us  yes
- 10  backward  all_reduce      b5      (top)                                 2  float32          64 B     18.0 us  yes
+  9  backward  all_reduce      b4      output                                2  float32     16.00 KiB     18.3 us  yes
+ 10  backward  all_reduce      b5      norm                                  2  float32          64 B     18.0 us  yes
  11  backward  all_gather      b6      layers.0.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
  12  backward  reduce_scatter  b7      layers.1.feed_forward.w2              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
- 13  backward  all_reduce      b8      (top)                                 2  float32     12.00 KiB     18.3 us  yes
- 14  backward  all_reduce      b9      (top)                                 2  float32     12.00 KiB     18.3 us  yes
- 15  backward  all_reduce      b10     (top)                                 2  float32     12.00 KiB     18.3 us  yes
- 16  backward  all_reduce      b11     (top)                                 2  float32          64 B     18.0 us  yes
- 17  backward  all_reduce      b12     (top)                                 2  float32      4.00 KiB     18.1 us  yes
- 18  backward  all_reduce      b13     (top)                                 2  float32      2.00 KiB     18.0 us  yes
- 19  backward  all_reduce      b14     (top)                                 2  float32      2.00 KiB     18.0 us  yes
- 20  backward  all_reduce      b15     (top)                                 2  float32      4.00 KiB     18.1 us  yes
- 21  backward  all_reduce      b16     (top)                                 2  float32          64 B     18.0 us  yes
+ 13  backward  all_reduce      b8      layers.1.feed_forward.w2              2  float32     12.00 KiB     18.3 us  yes
+ 14  backward  all_reduce      b9      layers.1.feed_forward.w3              2  float32     12.00 KiB     18.3 us  yes
+ 15  backward  all_reduce      b10     layers.1.feed_forward.w1              2  float32     12.00 KiB     18.3 us  yes
+ 16  backward  all_reduce      b11     layers.1.ffn_norm                     2  float32          64 B     18.0 us  yes
+ 17  backward  all_reduce      b12     layers.1.attention.wo                 2  float32      4.00 KiB     18.1 us  yes
+ 18  backward  all_reduce      b13     layers.1.attention.wv                 2  float32      2.00 KiB     18.0 us  yes
+ 19  backward  all_reduce      b14     layers.1.attention.wk                 2  float32      2.00 KiB     18.0 us  yes
+ 20  backward  all_reduce      b15     layers.1.attention.wq                 2  float32      4.00 KiB     18.1 us  yes
+ 21  backward  all_reduce      b16     layers.1.attention_norm               2  float32          64 B     18.0 us  yes
  22  backward  reduce_scatter  b17     layers.0.feed_forward.w2              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
- 23  backward  all_reduce      b18     (top)                                 2  float32     12.00 KiB     18.3 us  yes
- 24  backward  all_reduce      b19     (top)                                 2  float32     12.00 KiB     18.3 us  yes
- 25  backward  all_reduce      b20     (top)                                 2  float32     12.00 KiB     18.3 us  yes
- 26  backward  all_reduce      b21     (top)                                 2  float32          64 B     18.0 us  yes
- 27  backward  all_reduce      b22     (top)                                 2  float32      4.00 KiB     18.1 us  yes
- 28  backward  all_reduce      b23     (top)                                 2  float32      2.00 KiB     18.0 us  yes
- 29  backward  all_reduce      b24     (top)                                 2  float32      2.00 KiB     18.0 us  yes
- 30  backward  all_reduce      b25     (top)                                 2  float32      4.00 KiB     18.1 us  yes
- 31  backward  all_reduce      b26     (top)                                 2  float32          64 B     18.0 us  yes
+ 23  backward  all_reduce      b18     layers.0.feed_forward.w2              2  float32     12.00 KiB     18.3 us  yes
+ 24  backward  all_reduce      b19     layers.0.feed_forward.w3              2  float32     12.00 KiB     18.3 us  yes
+ 25  backward  all_reduce      b20     layers.0.feed_forward.w1              2  float32     12.00 KiB     18.3 us  yes
+ 26  backward  all_reduce      b21     layers.0.ffn_norm                     2  float32          64 B     18.0 us  yes
+ 27  backward  all_reduce      b22     layers.0.attention.wo                 2  float32      4.00 KiB     18.1 us  yes
+ 28  backward  all_reduce      b23     layers.0.attention.wv                 2  float32      2.00 KiB     18.0 us  yes
+ 29  backward  all_reduce      b24     layers.0.attention.wk                 2  float32      2.00 KiB     18.0 us  yes
+ 30  backward  all_reduce      b25     layers.0.attention.wq                 2  float32      4.00 KiB     18.1 us  yes
+ 31  backward  all_reduce      b26     layers.0.attention_norm               2  float32          64 B     18.0 us  yes
  32  backward  reduce_scatter  b27     tok_embeddings                        4  float32     64.00 KiB     13.1 us  no, stalls 125.7 us
- 33  backward  all_reduce      b28     (top)                                 2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
+ 33  backward  all_reduce      b28     tok_embeddings                        2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
 """)

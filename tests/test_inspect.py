@@ -271,3 +271,5 @@ def test_hybrid_shard_all_reduces_shards_not_whole_gradients():
     assert 4 * sum(n.collective.bytes for n in all_reduces) == sum(n.collective.bytes for n in reduce_scatters)
     position = {n.name: index for index, n in enumerate(backward.nodes)}
     assert position[all_reduces[0].name] > position[reduce_scatters[0].name]
+    # The all-reduces come from no module's code; each is credited to the parameter its input belongs to.
+    assert [n.fqn for n in all_reduces] == [n.fqn for n in reduce_scatters]

@@ -123,7 +123,7 @@ def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | N
         elif fx_node.op == "output":
             outputs = [arg.name if isinstance(arg, fx.Node) else None for arg in tree_flatten(fx_node.args)[0]]
         elif fx_node.op == "call_function":
-            node = _read_node(fx_node)
+            node = _read_node(fx_node, {name: dag.nodes[name]["node"].fqn for name in dag})
             nodes.append(node)
             dag.add_node(node.name, node=node)
             dag.add_edges_from((source, node.name) for source in node.inputs if source in dag)
@@ -152,10 +152,12 @@ def _call(fx_node: fx.Node) -> _Call:
     return _Call(inner.target, args, kwargs)
 
 
-def _read_node(fx_node: fx.Node) -> ScheduleNode:
+def _read_node(fx_node: fx.Node, fqns: dict[str, str]) -> ScheduleNode:
+    """``fqns``: the FQNs of the nodes read so far; a node of no module takes its first input's."""
     call = _call(fx_node)
     inputs = tuple(dict.fromkeys(arg.name for arg in fx_node.all_input_nodes if arg.op != "get_attr"))
-    common = dict(name=fx_node.name, op=_op_name(call.target), fqn=node_fqn(fx_node), inputs=inputs)
+    fqn = node_fqn(fx_node) or next((fqns[name] for name in inputs if fqns.get(name)), "")
+    common = dict(name=fx_node.name, op=_op_name(call.target), fqn=fqn, inputs=inputs)
     if call.target in _COLLECTIVES:
         collective = _read_collective(fx_node, call)
         return ScheduleNode(kind=COLLECTIVE, collective=collective, bytes_written=_output_bytes(fx_node), **common)
