@@ -53,11 +53,18 @@ def run_on_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:
             )
         except mp.ProcessRaisedException:
             pass  # the rank's own traceback is in its result file
-        outcomes = []
-        for rank in range(world_size):
-            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as file:
-                outcomes.append(pickle.load(file))
+        outcomes = [_outcome(out_dir, rank) for rank in range(world_size)]
     errors = [detail for status, detail in outcomes if status == "error"]
     if errors:
         raise RuntimeError("\n".join(errors))
     return [detail for _, detail in outcomes]
+
+
+def _outcome(out_dir: str, rank: int) -> tuple[str, Any]:
+    """What ``rank`` reported; a rank stopped before reporting (the launcher ends all ranks once one fails)
+    is an error that says so, so the failing rank's own traceback is what the test shows."""
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    if not os.path.exists(path):
+        return "error", f"rank {rank}: stopped before it finished (another rank failed first)"
+    with open(path, "rb") as file:
+        return pickle.load(file)
