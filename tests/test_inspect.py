@@ -256,18 +256,19 @@ def test_cli_reports_bad_input_in_one_line(capsys):
 
 def test_hybrid_shard_all_reduces_shards_not_whole_gradients():
     """On a (2 replicas, 4 shards) mesh each gradient is reduce-scattered over the shards first,
-    then only its shard is all-reduced over the replicas: a quarter of the bytes."""
+    then only its shard is all-reduced over the replicas: a quarter of the bytes, in the reduce dtype."""
     with torch.device("meta"):
         model = build_model("debug")
     report = simplefsdp.inspect(model, (torch.zeros(1, 16, dtype=torch.long),), world_size=8, mode="hybrid_shard",
                      hardware=dataclasses.replace(get_profile("h100"), devices_per_node=4),
-                     buckets=None, reorder=False)
+                     mp_policy=MixedPrecision(torch.bfloat16, torch.bfloat16), buckets=None, reorder=False)
     backward = report.backward
     reduce_scatters = [n for n in backward.collectives() if n.collective.kind == "reduce_scatter"]
     all_reduces = [n for n in backward.collectives() if n.collective.kind == "all_reduce"]
     assert len(reduce_scatters) == len(all_reduces) == len(list(model.parameters()))
     assert {n.collective.group_size for n in reduce_scatters} == {4}
     assert {n.collective.group_size for n in all_reduces} == {2}
+    assert {n.collective.dtype for n in reduce_scatters + all_reduces} == {torch.bfloat16}
     assert 4 * sum(n.collective.bytes for n in all_reduces) == sum(n.collective.bytes for n in reduce_scatters)
     position = {n.name: index for index, n in enumerate(backward.nodes)}
     assert position[all_reduces[0].name] > position[reduce_scatters[0].name]

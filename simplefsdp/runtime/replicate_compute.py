@@ -64,8 +64,8 @@ class ReplicateComputation:
         grad_placements = [Partial("avg")] * ndim
         if ndim == 2:
             # The no-op redistribute's backward all-reduces the shard's gradient over the replicas.
-            shard = param.redistribute(param.device_mesh, param.placements).to_local(
-                grad_placements=[Partial("avg"), param.placements[1]])
+            unchanged = param.redistribute(param.device_mesh, param.placements, backward_dtype=self.reduce_dtype)
+            shard = unchanged.to_local(grad_placements=[Partial("avg"), param.placements[1]])
             param = DTensor.from_local(shard, param.device_mesh, param.placements, run_check=False,
                                        shape=param.shape, stride=param.stride())
             grad_placements = [Replicate(), Partial("avg")]
