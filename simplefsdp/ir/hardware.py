@@ -151,8 +151,11 @@ def cpu_profile(refresh: bool = False) -> HardwareProfile:
         except (TypeError, ValueError):  # written by a version with other fields: measure again
             pass
     profile = measure_cpu_profile()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(profile.to_json())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(profile.to_json())
+    except OSError:  # a read-only home: measure again next time (set SIMPLEFSDP_CACHE to keep it)
+        pass
     return profile
 
 
