@@ -7,7 +7,9 @@
   just before each into the copy-in), and ``merge_reduce_scatter_bucket`` in its
   ``custom_ops`` mode copies gradients in with one opaque op and out as views.
   Padding for uneven shards happens before the all-gather and after the
-  reduce-scatter, outside the merged region.
+  reduce-scatter, outside the merged region. The all-gather's copy-in needs
+  this rank's index in the group, found with c10d's private
+  ``_resolve_process_group`` (a group name to its group).
 - ``pin_order``: ``control_dependencies.preserve_node_ordering`` adds
   dependencies that Inductor's scheduler (``reorder_for_peak_memory`` and
   friends) must respect.
