@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from simplefsdp.ir.capture import capture_graphs
 from simplefsdp.ir.cost_model import as_number
-from simplefsdp.ir.hardware import BUILT_IN, cpu_profile
+from simplefsdp.ir.hardware import BUILT_IN, cpu_profile, measuring_threads
 from simplefsdp.ir.schedule import read_schedule
 from simplefsdp.models.llama import build_model
 
@@ -38,8 +36,7 @@ def peak_flops_per_second(device: torch.device, dtype: torch.dtype) -> float | N
     cores per rank), scaled to this rank's thread count.
     """
     if device.type == "cpu":
-        threads_measured = max(1, (os.cpu_count() or 1) // 2)
-        return cpu_profile().peak_rate(dtype) * torch.get_num_threads() / threads_measured
+        return cpu_profile().peak_rate(dtype) * torch.get_num_threads() / measuring_threads()
     name = torch.cuda.get_device_name(device)
     profile = next((BUILT_IN[p] for fragment, p in GPU_PROFILES.items() if fragment in name), None)
     return profile.peak_rate(dtype) if profile else None

@@ -197,12 +197,17 @@ def measure_cpu_profile_in_group() -> HardwareProfile:
     )
 
 
+def measuring_threads() -> int:
+    """Threads each of the two measuring ranks of ``measure_cpu_profile`` computes with: half the cores."""
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
 def _measuring_rank(rank: int, folder: str) -> None:
     import torch.distributed as dist
 
     store = dist.FileStore(os.path.join(folder, "store"), 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
+    torch.set_num_threads(measuring_threads())
     profile = measure_cpu_profile_in_group()
     if rank == 0:
         Path(folder, "profile.json").write_text(profile.to_json())

@@ -115,6 +115,7 @@ def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | N
     """
     param_fqns = param_fqns or {}
     inputs, nodes, outputs = [], [], []
+    fqns: dict[str, str] = {}
     dag = nx.DiGraph()
     for fx_node in gm.graph.nodes:
         if fx_node.op == "placeholder":
@@ -123,7 +124,8 @@ def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | N
         elif fx_node.op == "output":
             outputs = [arg.name if isinstance(arg, fx.Node) else None for arg in tree_flatten(fx_node.args)[0]]
         elif fx_node.op == "call_function":
-            node = _read_node(fx_node, {name: dag.nodes[name]["node"].fqn for name in dag})
+            node = _read_node(fx_node, fqns)
+            fqns[node.name] = node.fqn
             nodes.append(node)
             dag.add_node(node.name, node=node)
             dag.add_edges_from((source, node.name) for source in node.inputs if source in dag)
