@@ -274,3 +274,21 @@ def test_hybrid_shard_all_reduces_shards_not_whole_gradients():
     assert position[all_reduces[0].name] > position[reduce_scatters[0].name]
     # The all-reduces come from no module's code; each is credited to the parameter its input belongs to.
     assert [n.fqn for n in all_reduces] == [n.fqn for n in reduce_scatters]
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def test_one_model_class_can_be_captured_more_often_than_dynamos_per_code_limit():
+    from simplefsdp.ir.capture import capture_graphs
+
+    limit = torch._dynamo.config.recompile_limit
+    for _ in range(limit + 2):
+        graphs = capture_graphs(_Tiny(), (torch.randn(2, 4),), fused_attention=False)
+    assert graphs.forward is not None and graphs.backward is not None

@@ -65,8 +65,12 @@ def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: 
 
     backend = fx_backend(record_graph, record_inputs, fused_attention=fused_attention)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    # Each capture is a new model object, so Dynamo compiles its forward's code again: lift the per-code limit
+    # (8) to the process-wide one, or the ninth capture of one model class in a process would fail.
+    limit = torch._dynamo.config.accumulated_recompile_limit
     try:
-        outputs = compiled(*example_inputs)
+        with torch._dynamo.config.patch(recompile_limit=max(limit, torch._dynamo.config.recompile_limit)):
+            outputs = compiled(*example_inputs)
     except Exception as error:  # Dynamo raises many types; all mean "does not trace"
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise TraceError(
