@@ -1,4 +1,5 @@
-"""Compiling a module in place, and telling the user once where it graph-breaks."""
+"""Compiling a module in place, keeping Inductor's FX graph cache valid across processes, and telling the
+user once where it graph-breaks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any, Callable
 
 from torch import nn
 from torch._dynamo.utils import counters
+from torch._inductor.codecache import FxGraphCachePickler  # private: the pickler of the FX graph cache key
+from torch.distributed.device_mesh import DeviceMesh
 
 COMPILE_OPTIONS = ("fullgraph", "dynamic", "mode", "options", "disable")
 
@@ -28,8 +31,29 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
     Wraps the compiled call (``nn.Module._compiled_call_impl``, private) so that the
     first call warns once, naming the graph breaks Dynamo recorded during it.
     """
+    key_meshes_by_value()
     module.compile(backend=backend, **options)
     module._compiled_call_impl = _warn_on_graph_breaks(module._compiled_call_impl, type(module).__name__)
+
+
+def key_meshes_by_value() -> None:
+    """Make Inductor's FX graph cache key a ``DeviceMesh`` graph input by its value (idempotent).
+
+    Sharded parameters bring their mesh into the graphs as inputs. PyTorch 2.13 pickles such an input into
+    the cache key with its ``_hash``, a Python hash of strings that differs in every process
+    (``PYTHONHASHSEED``), so no second process ever hits the cache. The mesh's ``_stable_hash`` (what
+    AOTAutograd's cache uses) covers what defines it: ranks, layout, device type and dimension names.
+    """
+    FxGraphCachePickler._reduce_fake_script_object = _reduce_mesh_by_value
+
+
+_reduce_by_pickling = FxGraphCachePickler._reduce_fake_script_object
+
+
+def _reduce_mesh_by_value(pickler: FxGraphCachePickler, fake: Any) -> tuple:
+    if isinstance(fake.real_obj, DeviceMesh):
+        return str, (f"DeviceMesh {fake.real_obj._stable_hash()}",)
+    return _reduce_by_pickling(pickler, fake)
 
 
 def _warn_on_graph_breaks(compiled: Callable, name: str) -> Callable:

@@ -1,0 +1,91 @@
+"""Restarts are warm: a second process compiling the same sharded model loads its graphs from the caches.
+
+Every restart, resume and healing replica group depends on this. The sharded parameters bring their
+``DeviceMesh`` into the graphs as inputs, which PyTorch 2.13 keyed by a per-process hash (a miss in
+every process); the gather region's checkpoint context had no ``cache_hash`` (AOTAutograd bypassed its
+cache). This is a behaviour, so the test counts cache hits; it times nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Two small sharded models with activation checkpointing, our passes on and off: forward and backward of each.
+COMPILE_BOTH = """
+import json, os, torch
+from torch import nn
+from torch._dynamo.utils import counters
+import simplefsdp
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+for options in ({}, {"buckets": None, "reorder": False}):
+    torch.manual_seed(0)
+    model = Model()
+    simplefsdp.apply_activation_checkpointing(model.layers, "selective")
+    simplefsdp.compile_sharded(model, **options)
+    model(torch.randn(8, 16)).sum().backward()
+print(json.dumps({**counters["inductor"], **counters["aot_autograd"]}))
+os._exit(0)
+"""
+
+
+def compile_in_new_process(cache_dir: str, **env_vars: str) -> dict[str, int]:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, **env_vars}
+    result = subprocess.run([sys.executable, "-c", COMPILE_BOTH], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory) -> dict[str, dict[str, int]]:
+    """Counters of three processes in turn on one cache directory: a cold one, a warm one, and a warm one
+    with AOTAutograd's cache off (so Inductor's FX graph cache is looked up by its own key, as it is
+    whenever AOTAutograd bypasses its cache, e.g. for a checkpoint policy of the user's without a cache_hash)."""
+    cache_dir = str(tmp_path_factory.mktemp("inductor_cache"))
+    return {
+        "cold": compile_in_new_process(cache_dir),
+        "warm": compile_in_new_process(cache_dir),
+        "warm_fx_only": compile_in_new_process(cache_dir, TORCHINDUCTOR_AUTOGRAD_CACHE="0"),
+    }
+
+
+def test_first_process_compiles_every_graph(processes):
+    cold = processes["cold"]
+    assert cold.get("fxgraph_cache_miss") == 4 and cold.get("fxgraph_cache_hit", 0) == 0, cold
+
+
+def test_second_process_hits_the_aot_autograd_cache(processes):
+    warm = processes["warm"]
+    assert warm.get("autograd_cache_hit") == 2, warm
+    assert warm.get("autograd_cache_bypass", 0) == 0 and warm.get("autograd_cache_miss", 0) == 0, warm
+    assert warm.get("fxgraph_cache_hit") == 4 and warm.get("fxgraph_cache_miss", 0) == 0, warm
+
+
+def test_second_process_hits_the_fx_graph_cache(processes):
+    warm = processes["warm_fx_only"]
+    assert warm.get("fxgraph_cache_hit") == 4 and warm.get("fxgraph_cache_miss", 0) == 0, warm
+
