@@ -13,7 +13,10 @@ with sharding: the parameter gathers inside a block stay recomputed.
 from __future__ import annotations
 
 import functools
-from typing import Iterable
+import hashlib
+import inspect
+import sys
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -40,11 +43,19 @@ def _save_random_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if seeded else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-# Partials, not lambdas: Dynamo traces selective checkpointing only through a partial.
-_POLICIES = {
-    "selective": functools.partial(create_selective_checkpoint_contexts, _save_matmuls),
-    "full": functools.partial(create_selective_checkpoint_contexts, _save_random_ops),
-}
+def checkpoint_context(policy: Callable[..., CheckpointPolicy]) -> functools.partial:
+    """The checkpoint ``context_fn`` that applies ``policy``, cacheable by AOTAutograd.
+
+    A partial, not a lambda: Dynamo traces selective checkpointing only through a partial. Its
+    ``cache_hash`` (the source of the policy's module) lets AOTAutograd cache the graphs; without one
+    every process traces them again.
+    """
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    context.cache_hash = hashlib.sha256(inspect.getsource(sys.modules[policy.__module__]).encode()).hexdigest()
+    return context
+
+
+_POLICIES = {"selective": checkpoint_context(_save_matmuls), "full": checkpoint_context(_save_random_ops)}
 
 
 def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> None:

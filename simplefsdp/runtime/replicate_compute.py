@@ -18,8 +18,9 @@ from typing import Iterator
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
+from simplefsdp.runtime.activation_checkpoint import checkpoint_context
 from simplefsdp.runtime.grad_sync import GradientSync, add_pending, route_to_accumulator
 
 
@@ -28,8 +29,7 @@ def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
-# A partial, not a lambda: Dynamo traces selective checkpointing only through a partial.
-_reshard_context = functools.partial(create_selective_checkpoint_contexts, _recompute_everything)
+_reshard_context = checkpoint_context(_recompute_everything)
 
 
 class _HideInPlaceNotice(logging.Filter):
