@@ -9,7 +9,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.passes.bucket_plan import BucketMode
-from simplefsdp.passes.install import OverlapPasses, inductor_options
+from simplefsdp.ir.hardware import local_profile
+from simplefsdp.passes.install import OverlapPasses, check_no_custom_post_pass, inductor_options
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.compile import check_compile_options, compile_in_place
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
@@ -74,11 +75,15 @@ def compile_sharded(
             f"compile_sharded expects a torch.nn.Module, got {type(model).__name__}; "
             "wrap plain functions in an nn.Module first"
         )
-    if compile and backend == "inductor" and (buckets is not None or reorder):
-        compile_options = inductor_options(OverlapPasses(buckets, reorder, prefetch, memory_budget), compile_options)
+    passes = compile and backend == "inductor" and (buckets is not None or reorder)
+    if passes:
+        check_no_custom_post_pass(compile_options)
     check_not_sharded(model)
     mesh = mesh if mesh is not None else default_mesh(mode)
     check_mesh(mesh, mode)
+    if passes:  # "auto" buckets are priced on the hardware this rank computes on
+        overlap = OverlapPasses(buckets, reorder, prefetch, memory_budget, local_profile(mesh.device_type))
+        compile_options = inductor_options(overlap, compile_options)
 
     mp_policy = mp_policy or MixedPrecision()
     on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])

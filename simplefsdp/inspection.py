@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
+from simplefsdp.api import compile_sharded
 from simplefsdp.ir.capture import TraceError, capture_graphs
 from simplefsdp.ir.cost_model import as_number
 from simplefsdp.ir.hardware import PROFILE_NAMES, HardwareProfile, get_profile
@@ -36,8 +36,7 @@ from simplefsdp.passes.reorder import ReorderPlan
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES
 from simplefsdp.runtime.mixed_precision import MixedPrecision
-from simplefsdp.runtime.replicate_compute import ReplicateComputation
-from simplefsdp.runtime.sharding import shard_parameters
+from simplefsdp.runtime.sharding import check_not_sharded
 
 
 @dataclass(frozen=True)
@@ -180,12 +179,8 @@ def inspect(
     world_size = 1 if world_size is None else world_size
     mesh_shape = _mesh_shape(mode, world_size, profile.devices_per_node)
     check_pass_options(model, buckets, reorder, prefetch, memory_budget)
+    check_not_sharded(model)
     mp_policy = mp_policy or MixedPrecision()
-    for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"parameter {name!r} is already sharded; pass inspect the model before compile_sharded"
-            )
     meta_model = _meta_copy(model)
     meta_inputs = tuple(
         torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in example_inputs
@@ -193,12 +188,9 @@ def inspect(
     passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile)
     with fake_world(world_size):
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
-        replicate = ReplicateComputation(
-            param_dtype=mp_policy.param_dtype,
-            reduce_dtype=mp_policy.reduce_dtype,
-            reshard_after_forward=reshard_after_forward and mode != "replicate",
-        )
-        shard_parameters(meta_model, mesh, mode, replicate)
+        # Sharded by compile_sharded itself, so the graphs traced here are those that run.
+        compile_sharded(meta_model, mesh=mesh, mode=mode, mp_policy=mp_policy,
+                        reshard_after_forward=reshard_after_forward, compile=False)
         graphs = capture_graphs(meta_model, meta_inputs)
         # The captured graphs are ours: the passes rewrite them in place, and each stage keeps its schedule.
         forward_stages = list(passes.stages(graphs.forward, "forward", graphs.param_fqns))

@@ -10,6 +10,7 @@ a JSON file with the same fields and pass its path.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import platform
@@ -132,6 +133,17 @@ def get_profile(hardware: str | HardwareProfile) -> HardwareProfile:
     )
 
 
+def local_profile(device_type: str) -> HardwareProfile:
+    """The profile of the device this process computes on: ``cpu`` (measured), or the GPU's by name.
+
+    A GPU none of the built-in profiles names is priced as ``h100``.
+    """
+    if device_type == "cpu":
+        return cpu_profile()
+    name = torch.cuda.get_device_name().lower()
+    return next((profile for key, profile in BUILT_IN.items() if key in name), H100)
+
+
 def load_profile(path: Path) -> HardwareProfile:
     """Read a profile written by ``HardwareProfile.to_json``."""
     return HardwareProfile(**json.loads(Path(path).read_text()))
@@ -145,18 +157,21 @@ def cpu_profile(refresh: bool = False) -> HardwareProfile:
     """
     key = f"{platform.node()}-{os.cpu_count()}cores-torch{torch.__version__}".replace(os.sep, "_")
     path = CACHE_DIR / f"cpu-{key}.json"
-    if path.is_file() and not refresh:
-        try:
-            return load_profile(path)
-        except (TypeError, ValueError):  # written by a version with other fields: measure again
-            pass
-    profile = measure_cpu_profile()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "w")
+    except OSError:  # a read-only home: measure every time (set SIMPLEFSDP_CACHE to keep it)
+        return measure_cpu_profile()
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # every rank of a job may ask at once: one measures, the others wait
+        if path.is_file() and not refresh:
+            try:
+                return load_profile(path)
+            except (TypeError, ValueError):  # written by a version with other fields: measure again
+                pass
+        profile = measure_cpu_profile()
         path.write_text(profile.to_json())
-    except OSError:  # a read-only home: measure again next time (set SIMPLEFSDP_CACHE to keep it)
-        pass
-    return profile
+        return profile
 
 
 def measure_cpu_profile() -> HardwareProfile:

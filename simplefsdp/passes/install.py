@@ -105,13 +105,16 @@ def graph_phase(graph: fx.Graph) -> str:
     return "backward" if tangents else "forward"
 
 
-def inductor_options(passes: OverlapPasses, compile_options: dict[str, Any]) -> dict[str, Any]:
-    """``compile_options`` with ``passes`` added to its Inductor ``options`` (the user's other options kept)."""
-    options = dict(compile_options.get("options") or {})
-    if "post_grad_custom_post_pass" in options:
+def check_no_custom_post_pass(compile_options: dict[str, Any]) -> None:
+    """Raise ``ValueError`` if the user's Inductor ``options`` already hold the hook our passes use."""
+    if "post_grad_custom_post_pass" in (compile_options.get("options") or {}):
         raise ValueError(
             "options['post_grad_custom_post_pass'] is taken by simplefsdp's bucketing and reordering; "
             "pass buckets=None, reorder=False to compile with your own pass instead"
         )
-    options["post_grad_custom_post_pass"] = passes
+
+
+def inductor_options(passes: OverlapPasses, compile_options: dict[str, Any]) -> dict[str, Any]:
+    """``compile_options`` with ``passes`` added to its Inductor ``options`` (the user's other options kept)."""
+    options = {**(compile_options.get("options") or {}), "post_grad_custom_post_pass": passes}
     return {**compile_options, "options": options}
