@@ -1,20 +1,22 @@
-"""Cold compile time of ``cpu-small`` with our passes on and off, side by side.
+"""Cold and warm first step of ``cpu-small``: simplefsdp with passes on and off, and torchtitan's SimpleFSDP.
 
-    python benchmarks/compile_time.py --repeats 4 --out benchmarks/compile_time_cpu-small.md
+    python benchmarks/compile_time.py --repeats 3 --out benchmarks/compile_time_cpu-small.md
 
-Each run is a fresh process with an empty Inductor cache directory, so the
-first step is a cold compile: Dynamo, AOTAutograd, our passes (when on),
-Inductor code generation and C++ compilation. The model is sharded over a fake
-process group of 2 ranks in one process (the graphs are those of a 2-rank gloo
-run; the collectives move no data). A run times its first forward and backward
-and, separately, the time spent inside ``OverlapPasses`` (both graphs). Runs
-alternate on/off, swapping which goes first in each pair; the table reports
-medians and their ratio.
+Each repeat gives every contender an empty Inductor cache directory and runs
+two fresh processes on it in turn: the first compiles cold (Dynamo,
+AOTAutograd, our passes when on, Inductor code generation, C++ compilation),
+the second is a restart and should load both graphs from the caches. A run
+shards cpu-small over a fake process group of 2 ranks in one process (the
+graphs of a 2-rank gloo run; the collectives move no data) and times its first
+forward and backward. The torchtitan row needs ``pip install --no-deps
+torchtitan==0.3.0`` (its ``graph_trainer/simple_fsdp.py``, compiled whole with
+``torch.compile``); it is left out when that is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -22,12 +24,28 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
+
+CONTENDERS = ("passes-on", "passes-off", "torchtitan")
 
 
-def one_run(passes: bool) -> dict:
-    """Time one cold first step of cpu-small in this process; ``passes`` toggles bucketing and reordering."""
+def torchtitan_data_parallel():
+    """torchtitan's SimpleFSDP ``data_parallel``; its module base class (torchtitan's config system) as ``nn.Module``."""
+    from torch import nn
+
+    shim = types.ModuleType("torchtitan.protocols.module")
+    shim.Module = nn.Module
+    sys.modules["torchtitan.protocols.module"] = shim
+    from torchtitan.experiments.graph_trainer.simple_fsdp import data_parallel
+
+    return data_parallel
+
+
+def one_run(contender: str) -> dict:
+    """Time the first step of cpu-small in this process under ``contender``; count the cache lookups."""
     import torch
     import torch.nn.functional as F
+    from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
 
     from simplefsdp import compile_sharded
@@ -47,62 +65,64 @@ def one_run(passes: bool) -> dict:
     with fake_world(2):
         torch.manual_seed(0)
         model = build_model("cpu-small")
-        options = dict(buckets="auto", reorder=True) if passes else dict(buckets=None, reorder=False)
-        compile_sharded(model, mesh=init_device_mesh("cpu", (2,)), **options)
+        mesh = init_device_mesh("cpu", (2,))
+        if contender == "torchtitan":
+            model = torch.compile(torchtitan_data_parallel()(model, mesh, mode="fully_shard"))
+        else:
+            passes = contender == "passes-on"
+            compile_sharded(model, mesh=mesh, buckets="auto" if passes else None, reorder=passes)
         tokens = torch.randint(0, model.config.vocab_size, (4, 129))
         start = time.perf_counter()
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         first_step = time.perf_counter() - start
-    return {"passes": passes, "first_step_s": first_step, "pass_s": sum(pass_seconds)}
+    return {"contender": contender, "first_step_s": first_step, "pass_s": sum(pass_seconds),
+            "fx_hits": counters["inductor"]["fxgraph_cache_hit"], "aot_hits": counters["aot_autograd"]["autograd_cache_hit"]}
 
 
-def measure(repeats: int) -> list[dict]:
-    """``repeats`` on/off pairs, each run in a fresh process with an empty Inductor cache."""
+def measure(repeats: int, contenders: list[str]) -> list[dict]:
+    """Per repeat and contender: a cold and a warm process on one fresh Inductor cache directory."""
     runs = []
     for index in range(repeats):
-        order = (True, False) if index % 2 == 0 else (False, True)
-        for passes in order:
+        for contender in contenders[index % len(contenders):] + contenders[:index % len(contenders)]:
             with tempfile.TemporaryDirectory() as cache:
-                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-                argv = [sys.executable, __file__, "--one", "on" if passes else "off"]
-                output = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
-            runs.append(json.loads(output.strip().splitlines()[-1]))
-            print(runs[-1], flush=True)
+                for start in ("cold", "warm"):
+                    argv = [sys.executable, __file__, "--one", contender]
+                    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+                    output = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
+                    runs.append({**json.loads(output.strip().splitlines()[-1]), "start": start})
+                    print(runs[-1], flush=True)
     return runs
 
 
-def table(runs: list[dict]) -> str:
-    """Medians of each setting and the on/off ratio, as a markdown table."""
-    on = [run for run in runs if run["passes"]]
-    off = [run for run in runs if not run["passes"]]
-    median_on = statistics.median(run["first_step_s"] for run in on)
-    median_off = statistics.median(run["first_step_s"] for run in off)
-    pass_share = statistics.median(run["pass_s"] / run["first_step_s"] for run in on)
-    all_off = ", ".join(f"{run['first_step_s']:.1f}" for run in off)
-    all_on = ", ".join(f"{run['first_step_s']:.1f}" for run in on)
-    return "\n".join([
-        "| passes | runs | cold first step, median s | all runs s | time inside OverlapPasses, median s |",
-        "| --- | --- | --- | --- | --- |",
-        f"| off | {len(off)} | {median_off:.1f} | {all_off} | - |",
-        f"| on (auto, reorder) | {len(on)} | {median_on:.1f} | {all_on} | "
-        f"{statistics.median(r['pass_s'] for r in on):.2f} |",
-        "",
-        f"on / off: {median_on / median_off:.3f} (cold compile {100 * (median_on / median_off - 1):+.1f}%); "
-        f"the passes themselves take {100 * pass_share:.1f}% of a cold first step.",
-    ])
+def table(runs: list[dict], contenders: list[str]) -> str:
+    """Median cold and warm first step per contender, the cache hits of the warm runs, as a markdown table."""
+    lines = ["| contender | runs | cold first step, median s | warm first step, median s | warm / cold | "
+             "warm FX graph cache hits | warm AOTAutograd cache hits | time inside OverlapPasses (cold), median s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for contender in contenders:
+        cold = [run for run in runs if run["contender"] == contender and run["start"] == "cold"]
+        warm = [run for run in runs if run["contender"] == contender and run["start"] == "warm"]
+        cold_s = statistics.median(run["first_step_s"] for run in cold)
+        warm_s = statistics.median(run["first_step_s"] for run in warm)
+        passes = f"{statistics.median(run['pass_s'] for run in cold):.2f}" if contender == "passes-on" else "-"
+        lines.append(f"| {contender} | {len(cold)} | {cold_s:.1f} | {warm_s:.1f} | {warm_s / cold_s:.2f} | "
+                     f"{'/'.join(str(run['fx_hits']) for run in warm)} | "
+                     f"{'/'.join(str(run['aot_hits']) for run in warm)} | {passes} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=4, help="on/off pairs")
+    parser.add_argument("--repeats", type=int, default=3, help="cold + warm pairs per contender")
     parser.add_argument("--out", default=None, help="also write the table here")
-    parser.add_argument("--one", choices=("on", "off"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", choices=CONTENDERS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one_run(args.one == "on")))
+        print(json.dumps(one_run(args.one)))
         os._exit(0)  # skip gloo/fake-group static destructors, as simplefsdp train does
-    text = table(measure(args.repeats))
+    contenders = [name for name in CONTENDERS if name != "torchtitan" or importlib.util.find_spec("torchtitan")]
+    text = table(measure(args.repeats, contenders), contenders)
     print(text)
     if args.out:
         with open(args.out, "w") as file:
