@@ -8,6 +8,7 @@ import sys
 
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -106,3 +107,12 @@ def test_auto_buckets_are_priced_on_the_hardware_that_runs_the_model(fake_world,
     model(torch.randn(4, 8)).sum().backward()
     expected = local_profile("cuda").name if torch.cuda.is_available() else "cpu"  # the measured cpu profile
     assert priced_on == [expected, expected]  # forward and backward; never the h100 default on a CPU
+
+
+def test_a_root_torch_nn_module_is_compiled_into_one_graph(fake_world):
+    """nn.Module.compile() compiles nothing of a root nn.Sequential (Dynamo skips torch.nn frames); we must."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = compile_sharded(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), backend="aot_eager")
+    model(torch.randn(2, 8)).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1 and counters["stats"]["calls_captured"] > 4, dict(counters["stats"])

@@ -7,6 +7,7 @@ import warnings
 from collections import Counter
 from typing import Any, Callable
 
+import torch
 from torch import nn
 from torch._dynamo.utils import counters
 from torch._inductor.codecache import FxGraphCachePickler  # private: the pickler of the FX graph cache key
@@ -28,12 +29,17 @@ def check_compile_options(options: dict[str, Any]) -> None:
 def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any]) -> None:
     """``module.compile(...)``, keeping the module object and its ``state_dict`` keys.
 
-    Wraps the compiled call (``nn.Module._compiled_call_impl``, private) so that the
-    first call warns once, naming the graph breaks Dynamo recorded during it.
+    Sets the compiled call (``nn.Module._compiled_call_impl``, private) to a compiled frame of ours that calls
+    the module: Dynamo skips frames of ``torch.nn`` code, so ``module.compile()`` compiles nothing of a root
+    ``nn.Sequential`` or ``nn.Linear``. The first call warns once, naming the graph breaks Dynamo recorded.
     """
     key_meshes_by_value()
-    module.compile(backend=backend, **options)
-    module._compiled_call_impl = _warn_on_graph_breaks(module._compiled_call_impl, type(module).__name__)
+
+    def sharded_call(*args, **kwargs):
+        return module._call_impl(*args, **kwargs)
+
+    compiled = torch.compile(sharded_call, backend=backend, **options)
+    module._compiled_call_impl = _warn_on_graph_breaks(compiled, type(module).__name__)
 
 
 def key_meshes_by_value() -> None:
