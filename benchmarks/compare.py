@@ -2,7 +2,7 @@
 
     python benchmarks/compare.py --model cpu-small --nproc 2 [bench options]
 
-All the work happens in ``simplefsdp/bench.py``; this file only forwards its arguments.
+All the work happens in ``simplefsdp/bench/``; this file only forwards its arguments.
 """
 
 import sys

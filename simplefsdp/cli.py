@@ -1,4 +1,8 @@
-"""The ``simplefsdp`` command line: one subcommand per verb."""
+"""The ``simplefsdp`` command line: ``train``, ``inspect`` and ``bench``, each option shared by several defined once.
+
+Each command runs a library function on the parsed options (``train.run``, ``inspection.run``,
+``bench.run``); those modules never import this one.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +11,115 @@ import sys
 
 import torch
 
+from simplefsdp import bench, inspection, train
+from simplefsdp.bench.contenders import CONTENDER_NAMES
+from simplefsdp.ir.hardware import PROFILE_NAMES
+from simplefsdp.models.llama import CONFIGS
+from simplefsdp.runtime.activation_checkpoint import AC_MODES
+from simplefsdp.runtime.mesh import MODES
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BUCKETS = {"auto": "auto", "block": "block", "none": None}
 
 
-def dtype_arg(name: str) -> torch.dtype:
-    """Parse a dtype name for ``--param-dtype`` / ``--reduce-dtype``."""
-    if name not in DTYPES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; choose one of: {', '.join(DTYPES)}")
-    return DTYPES[name]
+def _choice(table: dict, what: str):
+    """An argparse type that maps a name to its value in ``table``, naming the choices for any other name."""
+    def parse(name: str):
+        if name not in table:
+            raise argparse.ArgumentTypeError(f"unknown {what} {name!r}; choose one of: {', '.join(table)}")
+        return table[name]
+    return parse
+
+
+def contenders_arg(text: str) -> list[str]:
+    """Parse ``--only NAME[,NAME]``, rejecting unknown names."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CONTENDER_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown contender(s) {', '.join(unknown) or '(none given)'}; choose from: {', '.join(CONTENDER_NAMES)}"
+        )
+    return names
+
+
+def _workload(model: str, batch_size: int, seq_len: int | None, dtypes: tuple) -> argparse.ArgumentParser:
+    """--model, --batch-size, --seq-len, --param-dtype and --reduce-dtype, with one command's defaults."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model", default=model, choices=sorted(CONFIGS), help=f"reference model ({model})")
+    parser.add_argument("--batch-size", type=int, default=batch_size, help=f"sequences per rank per step ({batch_size})")
+    parser.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per sequence ({seq_len or 'the maximum'})")
+    for option, default, use in zip(("--param-dtype", "--reduce-dtype"), dtypes, ("gather and compute", "gradient")):
+        shown = str(default).removeprefix("torch.") if default else "the parameter's own"
+        parser.add_argument(option, type=_choice(DTYPES, "dtype"), default=default, metavar="{" + ",".join(DTYPES) + "}",
+                            help=f"{use} dtype ({shown})")
+    return parser
+
+
+def _sharding() -> argparse.ArgumentParser:
+    """compile_sharded's --mode, --no-reshard and pass options: --buckets, --no-reorder, --prefetch, --memory-budget."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--mode", default="fully_shard", choices=MODES)
+    parser.add_argument("--no-reshard", dest="reshard_after_forward", action="store_false",
+                        help="keep gathered parameters from forward to backward")
+    parser.add_argument("--buckets", type=_choice(BUCKETS, "bucket mode"), default="auto", metavar="{auto,block,none}",
+                        help="bucketing of the collectives (auto; none: one collective per parameter)")
+    parser.add_argument("--no-reorder", dest="reorder", action="store_false",
+                        help="keep the traced order of the collectives (no prefetching, no sunk waits)")
+    parser.add_argument("--prefetch", type=int, default=1, help="all-gather buckets issued ahead (1)")
+    parser.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
+                        help="gathered parameter bytes in flight that --buckets auto may use")
+    return parser
+
+
+def _local_ranks() -> argparse.ArgumentParser:
+    """--nproc, --seed, --lr and --backend of the commands that train on local ranks."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--nproc", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend")
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from simplefsdp import bench, inspection, train
-
-    parser = argparse.ArgumentParser(prog="simplefsdp", description=__doc__)
+    parser = argparse.ArgumentParser(prog="simplefsdp", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    train.add_arguments(commands.add_parser("train", help="train a reference model on local ranks"))
-    inspection.add_arguments(
-        commands.add_parser("inspect", help="trace a reference model at any world size and predict its step")
-    )
-    bench.add_arguments(commands.add_parser(
-        "bench", help="compare simplefsdp with FSDP2, DDP, FSDP1 and a local baseline, side by side"
-    ))
+
+    command = commands.add_parser("train", help="train a reference model on local ranks", parents=[
+        _workload("cpu-small", 4, 128, (None, None)), _sharding(), _local_ranks()])
+    command.add_argument("--steps", type=int, default=20, help="train until this step (counting resumed steps)")
+    command.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step; gradients reduce once")
+    command.add_argument("--max-norm", type=float, default=None, help="clip the total gradient norm to this value")
+    command.add_argument("--activation-checkpointing", default="none", choices=AC_MODES, help="per transformer block")
+    command.add_argument("--init-on-meta", action="store_true", help="build on meta, allocate and initialize shards only")
+    command.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints (DCP) here")
+    command.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps; the last step always")
+    command.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    command.add_argument("--data", default=None, help="a text file (byte tokens); synthetic tokens when absent")
+    command.add_argument("--no-compile", dest="compile", action="store_false", help="run the sharded model eagerly")
+    command.add_argument("--plot", default=None, metavar="PATH", help="write the loss per step as a PNG (matplotlib)")
+    command.set_defaults(run=train.run)
+
+    command = commands.add_parser("inspect", help="trace a reference model at any world size and predict its step",
+                                  parents=[_workload("llama3-8b", 1, None, (torch.bfloat16, torch.float32)), _sharding()])
+    command.add_argument("--world-size", type=int, default=8, help="ranks to shard over (traced in this process)")
+    command.add_argument("--hardware", default="h100", help=f"{', '.join(PROFILE_NAMES)}, or a profile JSON path")
+    command.add_argument("--out", default=None, help="folder for each stage's graphs, plan.txt, summary.txt, "
+                         "timeline.svg, timeline.png (with matplotlib) and trace.json")
+    command.set_defaults(run=inspection.run)
+
+    command = commands.add_parser("bench", help="compare simplefsdp with FSDP2, DDP, FSDP1 and a local baseline, "
+                                  "side by side", parents=[_workload("cpu-small", 4, 128, (None, None)), _local_ranks()])
+    command.add_argument("--steps", type=int, default=20, help="measured steps per contender")
+    command.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation happens here)")
+    command.add_argument("--only", type=contenders_arg, default=None, help=f"NAME[,NAME] of: {', '.join(CONTENDER_NAMES)}")
+    command.add_argument("--json", default="runs/bench.json", help="where to write the results as JSON")
+    command.add_argument("--plot", default=None, metavar="PATH", help="where to write the bar chart as a PNG "
+                         "(default runs/bench.png, skipped with a note when matplotlib is not installed)")
+    command.add_argument("--from-json", default=None, metavar="PATH",
+                         help="print the table, plot and check parity from a saved JSON instead of running")
+    command.add_argument("--rank-output", default=None, help=argparse.SUPPRESS)
+    command.set_defaults(run=bench.run)
     return parser
 
 

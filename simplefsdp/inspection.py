@@ -21,17 +21,18 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from simplefsdp import plots
 from simplefsdp.api import compile_sharded
 from simplefsdp.ir.capture import TraceError, capture_graphs
 from simplefsdp.ir.cost_model import as_number
-from simplefsdp.ir.hardware import PROFILE_NAMES, HardwareProfile, get_profile
+from simplefsdp.ir.hardware import HardwareProfile, get_profile
 from simplefsdp.ir.render import chrome_trace, stage_table, svg_timeline, text_summary
 from simplefsdp.ir.schedule import Schedule
 from simplefsdp.ir.simulator import Prediction, simulate
-from simplefsdp.models.llama import CONFIGS, build_model, get_config
+from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan
 from simplefsdp.passes.install import OverlapPasses
-from simplefsdp.passes.options import BUCKET_MODES, check_pass_options
+from simplefsdp.passes.options import check_pass_options
 from simplefsdp.passes.reorder import ReorderPlan
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES
@@ -132,7 +133,8 @@ class InspectReport:
 
     def save(self, directory: str | Path) -> list[Path]:
         """Write the final graphs (forward.py, backward.py), each stage's graphs (``forward.0-traced.py``, ...),
-        plan.txt, summary.txt, timeline.svg and trace.json; return their paths."""
+        plan.txt, summary.txt, timeline.svg, trace.json and, when matplotlib is installed, timeline.png;
+        return their paths."""
         folder = Path(directory)
         folder.mkdir(parents=True, exist_ok=True)
         contents = {"forward.py": self.forward.code, "backward.py": self.backward.code}
@@ -147,7 +149,11 @@ class InspectReport:
         })
         for name, text in contents.items():
             (folder / name).write_text(text)
-        return [folder / name for name in contents]
+        paths = [folder / name for name in contents]
+        if not plots.missing():
+            paths.append(plots.timeline_chart(folder / "timeline.png", self.title, self.schedules, self.prediction,
+                                              self.hardware))
+        return paths
 
 
 def inspect(
@@ -233,31 +239,6 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from simplefsdp.cli import dtype_arg
-
-    parser.add_argument("--model", default="llama3-8b", choices=sorted(CONFIGS))
-    parser.add_argument("--world-size", type=int, default=8, help="ranks to shard over (traced in this process)")
-    parser.add_argument("--hardware", default="h100", help=f"{', '.join(PROFILE_NAMES)}, or a profile JSON path")
-    parser.add_argument("--mode", default="fully_shard", choices=MODES)
-    parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
-    parser.add_argument("--param-dtype", type=dtype_arg, default=torch.bfloat16, help="compute dtype (bfloat16)")
-    parser.add_argument("--reduce-dtype", type=dtype_arg, default=torch.float32, help="gradient dtype (float32)")
-    parser.add_argument("--no-reshard", dest="reshard_after_forward", action="store_false",
-                        help="keep gathered parameters from forward to backward")
-    parser.add_argument("--buckets", default="auto", choices=[str(mode).lower() for mode in BUCKET_MODES],
-                        help="bucketing of the collectives, as compile_sharded's buckets (auto)")
-    parser.add_argument("--no-reorder", dest="reorder", action="store_false",
-                        help="do not prefetch all-gathers or sink waits")
-    parser.add_argument("--prefetch", type=int, default=1, help="all-gather buckets issued ahead (1)")
-    parser.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
-                        help="gathered parameter bytes in flight that --buckets auto may use")
-    parser.add_argument("--out", default=None,
-                        help="folder for each stage's graphs, plan.txt, summary.txt, timeline.svg and trace.json")
-    parser.set_defaults(run=run)
-
-
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Trace the named model on the meta device, run the passes, print the summary, write the files to ``--out``."""
     config = get_config(args.model)
@@ -279,7 +260,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             model, (tokens,), world_size=args.world_size, mode=args.mode, hardware=args.hardware,
             mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
             reshard_after_forward=args.reshard_after_forward,
-            buckets=None if args.buckets == "none" else args.buckets, reorder=args.reorder,
+            buckets=args.buckets, reorder=args.reorder,
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title,
         )
     except (ValueError, TypeError, TraceError) as error:
@@ -288,4 +269,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.out:
         for path in report.save(args.out):
             print(f"wrote {path}")
+        if reason := plots.missing():
+            print(f"skipped {Path(args.out, 'timeline.png')}: {reason}")
     return 0

@@ -13,48 +13,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from simplefsdp import plots
 from simplefsdp.api import compile_sharded
 from simplefsdp.data import load_tokens, rank_batch
 from simplefsdp.ir.hardware import cpu_profile
 from simplefsdp.mfu import peak_flops_per_second, step_flops
-from simplefsdp.models.llama import CONFIGS, build_model
-from simplefsdp.runtime.activation_checkpoint import AC_MODES, apply_activation_checkpointing
+from simplefsdp.models.llama import build_model
+from simplefsdp.passes.options import check_pass_options
+from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from simplefsdp.runtime.clip_grad import clip_grad_norm_
 from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks
-from simplefsdp.runtime.mesh import MODES, init_distributed
+from simplefsdp.runtime.mesh import init_distributed
 from simplefsdp.runtime.meta_init import materialize_sharded
 from simplefsdp.runtime.mixed_precision import MixedPrecision
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from simplefsdp.cli import dtype_arg
-
-    parser.add_argument("--nproc", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
-    parser.add_argument("--model", default="cpu-small", choices=sorted(CONFIGS))
-    parser.add_argument("--steps", type=int, default=20, help="train until this step (counting resumed steps)")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per micro-batch")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step; gradients reduce once")
-    parser.add_argument("--max-norm", type=float, default=None, help="clip the total gradient norm to this value")
-    parser.add_argument("--mode", default="fully_shard", choices=MODES)
-    parser.add_argument("--param-dtype", type=dtype_arg, default=None, help="float32, bfloat16 or float16")
-    parser.add_argument("--reduce-dtype", type=dtype_arg, default=None, help="float32, bfloat16 or float16")
-    parser.add_argument("--activation-checkpointing", default="none", choices=AC_MODES, help="per transformer block")
-    parser.add_argument("--init-on-meta", action="store_true", help="build on meta, allocate and initialize shards only")
-    parser.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints (DCP) here")
-    parser.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps; the last step always")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
-    parser.add_argument("--data", default=None, help="a text file (byte tokens); synthetic tokens when absent")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--backend", default="inductor", help="torch.compile backend")
-    parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the sharded model eagerly")
-    parser.add_argument("--buckets", default="auto", choices=("auto", "block", "none"),
-                        help="bucketing of the collectives (none: one collective per parameter)")
-    parser.add_argument("--no-reorder", dest="reorder", action="store_false",
-                        help="keep the traced order of the collectives (no prefetching)")
-    parser.set_defaults(run=run)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -71,6 +43,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.resume and latest_checkpoint(args.checkpoint_dir) is None:
         fail(f"--resume: no checkpoint to resume from in {args.checkpoint_dir} "
              "(the directory does not exist or holds no complete step-* checkpoint)")
+    try:
+        check_pass_options(None, args.buckets, args.reorder, args.prefetch, args.memory_budget)
+    except (TypeError, ValueError) as error:
+        fail(str(error))
+    if args.plot and (reason := plots.missing()):
+        fail(f"--plot {args.plot}: {reason}")
 
 
 def fail(message: str) -> None:
@@ -103,8 +81,8 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     apply_activation_checkpointing(model.layers, args.activation_checkpointing)
     compile_sharded(
         model, mode=args.mode, mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
-        compile=args.compile, backend=args.backend, buckets=None if args.buckets == "none" else args.buckets,
-        reorder=args.reorder,
+        reshard_after_forward=args.reshard_after_forward, compile=args.compile, backend=args.backend,
+        buckets=args.buckets, reorder=args.reorder, prefetch=args.prefetch, memory_budget=args.memory_budget,
     )
     if args.init_on_meta:
         torch.manual_seed(args.seed)
@@ -171,6 +149,9 @@ def train(args: argparse.Namespace) -> None:
 
     if step_times:
         summarize(say, args, start, losses, step_times, mfus, tokens_per_step, world)
+        if args.plot and rank == 0:
+            title = f"simplefsdp train: {args.model}, {world} rank(s), mode {args.mode}"
+            say(f"wrote {plots.loss_chart(args.plot, title, list(range(start + 1, args.steps + 1)), losses)}")
     else:
         say(f"summary: the checkpoint is already at step {start} >= --steps {args.steps}; nothing to train")
     dist.destroy_process_group()

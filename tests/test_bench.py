@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from charts import png_size
 
-from simplefsdp.bench import _allocation_delta, check_parity, format_table
+from simplefsdp.bench.profiling import allocation_delta
+from simplefsdp.bench.report import format_table
+from simplefsdp.bench.verdicts import check_parity
 from simplefsdp.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +36,7 @@ def bench_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return out, done
 
 
-def test_bench_writes_json_table_and_plot(bench_run):
+def test_bench_writes_json_table_and_chart(bench_run):
     out, done = bench_run
     results = json.loads((out / "bench.json").read_text())
     assert results["world_size"] == 2 and results["model"] == "debug" and results["steps"] == 3
@@ -41,8 +45,10 @@ def test_bench_writes_json_table_and_plot(bench_run):
     for row in results["rows"]:
         assert row["status"] == "ok", row
         assert len(row["step_times_s"]) == 3 and len(row["losses"]) == 4 and len(row["last_loss_per_rank"]) == 2
-        assert row["step_time_s"]["min"] <= row["step_time_s"]["median"] <= row["step_time_s"]["max"]
-        assert row["peak_bytes_per_rank"] > 0 and row["tokens_per_s_per_rank"] > 0 and row["warmup_s"] > 0
+        median = row["step_time_s"]["median"]
+        assert median == statistics.median(row["step_times_s"])  # of the measured steps, warm-up excluded
+        assert row["tokens_per_s_per_rank"] == pytest.approx(4 * 32 / median)
+        assert row["peak_bytes_per_rank"] > 0 and row["warmup_s"] > 0
         assert math.isfinite(row["last_loss"])
     rows = {row["name"]: row for row in results["rows"]}
     assert rows["local"]["collectives_per_step"] == 0
@@ -50,7 +56,8 @@ def test_bench_writes_json_table_and_plot(bench_run):
     assert rows["fsdp2-eager"]["collectives_per_step"] > 0 and rows["fsdp2-eager"]["wait_ms_per_step"] is None
     assert "| contender |" in done.stdout and "| simplefsdp |" in done.stdout
     assert "loss parity: ok: simplefsdp vs fsdp2-eager" in done.stdout and "bitwise" in done.stdout
-    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png_size(out / "bench.png") == (900, 430)  # two panels of three bars
+    assert "Warning" not in done.stderr, done.stderr
 
 
 def test_aot_eager_losses_are_bitwise_equal_to_fsdp2_eager(bench_run):
@@ -86,7 +93,7 @@ def test_bad_contender_name_is_one_clear_error(capsys):
 
 def test_allocation_accounting_ignores_blocks_allocated_before_the_profile():
     live: dict[int, int] = {}
-    deltas = [_allocation_delta(live, ptr, size) for ptr, size in [(1, 100), (2, 50), (9, -70), (1, -100), (3, 10)]]
+    deltas = [allocation_delta(live, ptr, size) for ptr, size in [(1, 100), (2, 50), (9, -70), (1, -100), (3, 10)]]
     assert deltas == [100, 50, 0, -100, 10] and live == {2: 50, 3: 10}
 
 
@@ -110,3 +117,15 @@ def test_mixed_precision_compares_within_the_dtype_tolerance_even_under_aot_eage
 def test_too_long_sequence_is_one_clear_error():
     with pytest.raises(SystemExit, match="--seq-len 500 is longer than debug supports; use --seq-len 128 or less"):
         main(["bench", "--model", "debug", "--seq-len", "500"])
+
+
+def test_without_matplotlib_the_chart_is_skipped_in_one_line_unless_asked_for(bench_run, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the plot extra sees
+    monkeypatch.chdir(tmp_path)
+    saved = str(bench_run[0] / "bench.json")
+    assert main(["bench", "--from-json", saved, "--json", "out.json"]) == 0
+    assert "skipped runs/bench.png: matplotlib is not installed; pip install 'simplefsdp[plot]'" in capsys.readouterr().out
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(SystemExit) as error:
+        main(["bench", "--from-json", saved, "--plot", "chart.png"])
+    assert str(error.value) == "simplefsdp bench: --plot chart.png: matplotlib is not installed; pip install 'simplefsdp[plot]'"

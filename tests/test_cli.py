@@ -1,10 +1,19 @@
-"""``python -m simplefsdp train`` as a user runs it: local ranks through the elastic launcher."""
+"""The command line as a user runs it (``python -m simplefsdp train`` on local ranks), and the shape of the package:
+no import cycles, the CLI imported by no library module, no file over 400 lines."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
+from pathlib import Path
+
+import networkx as nx
+import pytest
+from charts import png_size
+
+from simplefsdp.cli import main
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -13,21 +22,78 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
-def test_train_on_two_ranks_from_a_text_file(tmp_path):
+def test_train_on_two_ranks_from_a_text_file_plots_the_loss_without_warnings(tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     result = run_cli(
         "train", "--model", "debug", "--nproc", "2", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
-        "--backend", "aot_eager", "--data", str(data),
+        "--backend", "aot_eager", "--data", str(data), "--plot", str(tmp_path / "loss.png"),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "on 2 rank(s), mode fully_shard" in result.stdout
     steps = re.findall(r"^step +(\d+)/3 +loss (\d+\.\d+) +[\d,]+ tok/s", result.stdout, flags=re.M)
     assert [int(step) for step, _ in steps] == [1, 2, 3]
     assert re.search(r"^summary: loss \d+\.\d+ -> \d+\.\d+ over steps 1-3;", result.stdout, flags=re.M)
+    assert f"wrote {tmp_path / 'loss.png'}" in result.stdout
+    assert png_size(tmp_path / "loss.png") == (800, 450)
+    assert "Warning" not in result.stderr, result.stderr
 
 
 def test_bad_dtype_names_the_choices():
     result = run_cli("train", "--param-dtype", "int8")
     assert result.returncode == 2
     assert "unknown dtype 'int8'; choose one of: float32, bfloat16, float16" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["train", "inspect"])
+def test_bad_bucket_mode_names_the_choices_in_every_command_that_shards(command, capsys):
+    with pytest.raises(SystemExit) as error:
+        main([command, "--buckets", "blocks"])
+    assert error.value.code == 2
+    assert "unknown bucket mode 'blocks'; choose one of: auto, block, none" in capsys.readouterr().err
+
+
+PACKAGE = Path(__file__).resolve().parents[1] / "simplefsdp"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of simplefsdp and the simplefsdp modules it imports anywhere in its body (functions included)."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                # `from simplefsdp import bench` imports the module simplefsdp.bench, not a name of simplefsdp
+                imported.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                                for alias in node.names)
+        graph[name] = {module for module in imported if module in modules and module != name}
+    return graph
+
+
+def test_import_graph_sees_function_level_imports():
+    graph = import_graph()
+    assert "simplefsdp.bench.contenders" in graph["simplefsdp.cli"]  # a module-level import
+    assert "simplefsdp.runtime.sharding" in graph["simplefsdp.inspection"]
+
+
+def test_no_module_of_simplefsdp_imports_in_a_cycle():
+    graph = nx.DiGraph([(module, imported) for module, targets in import_graph().items() for imported in targets])
+    assert nx.is_directed_acyclic_graph(graph), nx.find_cycle(graph)
+
+
+def test_only_the_entry_points_import_the_command_line_module():
+    importers = {module for module, imported in import_graph().items() if "simplefsdp.cli" in imported}
+    assert importers == {"simplefsdp.__main__"}
+
+
+def test_no_file_of_simplefsdp_is_over_400_lines():
+    lengths = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+    assert {path: lines for path, lines in lengths.items() if lines > 400} == {}

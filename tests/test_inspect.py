@@ -4,9 +4,12 @@ import dataclasses
 import json
 import xml.etree.ElementTree as ElementTree
 
+import sys
+
 import networkx as nx
 import pytest
 import torch
+from charts import png_size
 from torch import nn
 
 import simplefsdp
@@ -156,11 +159,11 @@ def test_summary_tabulates_the_stages_then_the_plans_then_the_final_graphs(fully
     assert summary.index(plans) < summary.index("reordered graphs (what runs)\npredicted step")
 
 
-def test_save_writes_each_stage_plans_summary_svg_and_trace(fully_sharded, traced, tmp_path):
+def test_save_writes_each_stage_plans_summary_svg_png_and_trace(fully_sharded, traced, tmp_path):
     paths = fully_sharded.save(tmp_path)
     stages = ["0-traced", "1-bucketed", "2-reordered"]
     assert sorted(path.name for path in paths) == sorted([
-        "backward.py", "forward.py", "plan.txt", "summary.txt", "timeline.svg", "trace.json",
+        "backward.py", "forward.py", "plan.txt", "summary.txt", "timeline.svg", "timeline.png", "trace.json",
         *(f"{phase}.{stage}.py" for phase in ("forward", "backward") for stage in stages),
     ])
     assert (tmp_path / "forward.0-traced.py").read_text() == traced.forward.code
@@ -171,6 +174,7 @@ def test_save_writes_each_stage_plans_summary_svg_and_trace(fully_sharded, trace
     assert (tmp_path / "plan.txt").read_text() == fully_sharded.plans()
     svg = ElementTree.parse(tmp_path / "timeline.svg").getroot()
     assert svg.tag.endswith("svg") and len(svg.findall("{http://www.w3.org/2000/svg}rect")) > 100
+    assert png_size(tmp_path / "timeline.png") == (1200, 500)
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     communication = [event for event in events if event.get("tid") == 1 and event["ph"] == "X"]
     assert len(communication) == len(fully_sharded.forward.collectives()) + len(fully_sharded.backward.collectives())
@@ -199,6 +203,14 @@ def test_cli_without_passes_keeps_only_the_traced_stage(tmp_path, capsys):
     assert "no passes applied" in out and "traced graphs (what runs)" in out
     assert sorted(path.name for path in tmp_path.glob("*ward*.py")) == [
         "backward.0-traced.py", "backward.py", "forward.0-traced.py", "forward.py"]
+
+
+def test_cli_without_matplotlib_writes_everything_but_the_png_and_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the plot extra sees
+    assert main(["inspect", "--model", "debug", "--seq-len", "16", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "timeline.svg").is_file() and not (tmp_path / "timeline.png").exists()
+    skipped = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skipped")]
+    assert skipped == [f"skipped {tmp_path / 'timeline.png'}: matplotlib is not installed; pip install 'simplefsdp[plot]'"]
 
 
 def test_cli_pass_flags_reach_the_passes(tmp_path, capsys):

@@ -40,11 +40,20 @@ def train(*options: str, kill: str | None = None, timeout: float = 300) -> subpr
         (["--resume", "--checkpoint-dir", "/nonexistent/run"], "no checkpoint to resume from in /nonexistent/run"),
         (["--resume"], "--resume needs --checkpoint-dir"),
         (["--max-norm", "-1"], "--max-norm must be positive"),
+        (["--prefetch", "-1"], "prefetch must be a whole number of buckets"),
     ],
 )
 def test_bad_input_is_rejected_before_any_rank_starts(options, message):
     with pytest.raises(SystemExit, match=message):
         main(["train", "--model", "debug", *options])
+
+
+def test_plot_without_matplotlib_names_the_extra_before_any_rank_starts(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the plot extra sees
+    with pytest.raises(SystemExit) as error:
+        main(["train", "--model", "debug", "--plot", str(tmp_path / "loss.png")])
+    assert str(error.value) == (f"simplefsdp train: --plot {tmp_path / 'loss.png'}: matplotlib is not installed; "
+                                "pip install 'simplefsdp[plot]'")
 
 
 def test_a_killed_rank_ends_the_job_within_60_seconds_naming_it():

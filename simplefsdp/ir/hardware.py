@@ -294,7 +294,7 @@ def _gloo_alpha_beta() -> tuple[float, float]:
 
         def step() -> None:
             torch.mm(a, b)
-            dist.all_gather_into_tensor(output, shard)
+            dist.all_gather_single(output, shard)
 
         times.append(_median_seconds(step, repeats=15) - compute)
     bus_fraction = (ranks - 1) / ranks  # a ring all-gather moves this share of the output through each rank

@@ -55,6 +55,16 @@ def _bucket_names(
     return {(row["phase"], row["name"]): row["bucket"] for row in collective_rows(schedules, prediction, hardware)}
 
 
+def span_colours(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> list[str]:
+    """The colour of each span of ``prediction``, in order: compute by phase, a collective by its bucket."""
+    buckets = _bucket_names(schedules, prediction, hardware)
+    return [
+        _PHASE_COLOURS[span.phase] if span.stream == "compute"
+        else _PALETTE[int(buckets[span.phase, span.name][1:]) % len(_PALETTE)]
+        for span in prediction.spans
+    ]
+
+
 def text_summary(title: str, schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> str:
     """The predictions in a few lines, then a table with one row per collective."""
     memory = prediction.memory
@@ -98,7 +108,6 @@ def svg_timeline(title: str, schedules: list[Schedule], prediction: Prediction, 
     """Two lanes (compute, communication; collectives coloured by bucket) and the memory curve under them."""
     width, left, lane, top = 1200, 110, 26, 40
     scale = (width - left - 20) / max(prediction.step_time, 1e-12)
-    buckets = _bucket_names(schedules, prediction, hardware)
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="300" font-family="monospace" font-size="12">',
         f'<text x="10" y="20">{escape(title)} | step {format_seconds(prediction.step_time)}, '
@@ -106,12 +115,9 @@ def svg_timeline(title: str, schedules: list[Schedule], prediction: Prediction, 
         f'<text x="10" y="{top + 17}">compute</text>',
         f'<text x="10" y="{top + lane + 17}">communication</text>',
     ]
-    for span in prediction.spans:
+    for span, colour in zip(prediction.spans, span_colours(schedules, prediction, hardware)):
         x, span_width = left + span.start * scale, max((span.end - span.start) * scale, 0.5)
-        if span.stream == "compute":
-            y, colour = top, _PHASE_COLOURS[span.phase]
-        else:
-            y, colour = top + lane, _PALETTE[int(buckets[span.phase, span.name][1:]) % len(_PALETTE)]
+        y = top if span.stream == "compute" else top + lane
         parts.append(
             f'<rect x="{x:.2f}" y="{y}" width="{span_width:.2f}" height="{lane - 4}" fill="{colour}">'
             f'<title>{escape(span.name)} {escape(span.fqn)} {format_seconds(span.end - span.start)}</title></rect>'

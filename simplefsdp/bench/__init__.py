@@ -1,0 +1,68 @@
+"""``simplefsdp bench``: simplefsdp side by side with eager FSDP2, FSDP2 + compile, DDP, FSDP1 and a local floor.
+
+One launch of ``--nproc`` ranks runs every contender (``contenders``), so all of them see the
+same processes, the same rendezvous and the same machine load. Each contender builds the model
+from the same seed and trains on the same batches with AdamW, in two passes
+(``measure``):
+
+1. **timing**: ``--warmup`` steps (compilation included; their total is the warm-up time), then
+   ``--steps`` measured steps, interleaved across contenders. A barrier before each step aligns
+   the ranks; a step's time is the slowest rank's.
+2. **profile**: a fresh copy of the model trains two steps under ``torch.profiler``; the second
+   is read for peak memory, collectives and waits (``profiling``).
+
+Rank 0 gathers the results; the launching process prints the table, writes JSON and a chart,
+and fails when simplefsdp's loss differs from FSDP2 eager's (``report``, ``verdicts``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import tempfile
+from pathlib import Path
+
+from simplefsdp import plots
+from simplefsdp.bench.measure import measure
+from simplefsdp.bench.report import report
+from simplefsdp.models.llama import get_config
+from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks
+
+
+def _fail(message: str) -> None:
+    raise SystemExit(f"simplefsdp bench: {message}")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run the comparison on ``--nproc`` local ranks (or this torchrun rank), then report; 1 on a parity failure.
+
+    Bad options, and ``--plot`` without matplotlib, exit with a message before any rank starts.
+    """
+    if args.plot and (reason := plots.missing()):
+        _fail(f"--plot {args.plot}: {reason}")
+    if args.from_json:
+        path = Path(args.from_json)
+        if not path.is_file():
+            _fail(f"--from-json {path}: no such file; write one with --json PATH first")
+        return report(json.loads(path.read_text()), args.json, args.plot)
+    if min(args.nproc, args.steps, args.warmup, args.batch_size, args.seq_len) < 1:
+        _fail("--nproc, --steps, --warmup, --batch-size and --seq-len must be at least 1")
+    longest = get_config(args.model).max_seq_len
+    if args.seq_len > longest:
+        _fail(f"--seq-len {args.seq_len} is longer than {args.model} supports; use --seq-len {longest} or less")
+    command = shlex.join(["python", "-m", "simplefsdp", *argv])
+    if is_launched_rank():
+        results = measure(args)
+        if results is None:
+            return 0
+        if args.rank_output:
+            Path(args.rank_output).write_text(json.dumps(results))
+            return 0
+        return report({**results, "command": command}, args.json, args.plot)
+    with tempfile.TemporaryDirectory() as scratch:
+        output = Path(scratch) / "results.json"
+        code = launch_local_ranks(args.nproc, [*argv, "--rank-output", str(output)])
+        if code:
+            return code
+        return report({**json.loads(output.read_text()), "command": command}, args.json, args.plot)

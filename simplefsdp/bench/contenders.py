@@ -1,0 +1,93 @@
+"""The ways to train the model that ``simplefsdp bench`` compares, FSDP2 eager (the reference) first."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+from torch import nn
+
+from simplefsdp.api import compile_sharded
+from simplefsdp.runtime.mixed_precision import MixedPrecision
+
+REFERENCE = "fsdp2-eager"
+CHECKED = ("simplefsdp", "simplefsdp-nopasses")  # the rows whose loss must match the reference's
+PASSES_OFF = {"buckets": None, "reorder": False}
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A way to train the model: ``wrap`` turns the freshly built model into the module to train.
+
+    ``compiled``: it must compile graphs of its own. ``distributed``: it trains the global batch across
+    ranks (``local`` trains each rank's batch alone, so its loss is not comparable).
+    """
+
+    name: str
+    summary: str
+    wrap: Callable[[nn.Module, argparse.Namespace], nn.Module]
+    compiled: bool = True
+    distributed: bool = True
+
+
+def _simplefsdp(model: nn.Module, args: argparse.Namespace, **options) -> nn.Module:
+    mp_policy = MixedPrecision(args.param_dtype, args.reduce_dtype)
+    return compile_sharded(model, mp_policy=mp_policy, backend=args.backend, **options)
+
+
+def _fsdp2(model: nn.Module, args: argparse.Namespace, compile_blocks: bool = False) -> nn.Module:
+    """``fully_shard`` on each transformer block, then the root, as torchtitan applies it."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = MixedPrecisionPolicy(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
+    for index, block in enumerate(model.layers):
+        if compile_blocks:
+            block = torch.compile(block, backend=args.backend)
+            model.layers[index] = block
+        fully_shard(block, mp_policy=mp_policy)
+    return fully_shard(model, mp_policy=mp_policy)
+
+
+def _ddp_compiled(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    ddp.compile(backend=args.backend)
+    return ddp
+
+
+def _fsdp1(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import MixedPrecision as FSDP1MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({type(model.layers[0])}), use_orig_params=True,
+        mixed_precision=FSDP1MixedPrecision(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype),
+    )
+
+
+def _local(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    """The plain model, compiled. Dynamo caches graphs per code object and reuses one wherever its guards
+    pass, so the model's class becomes a subclass of its own: no other contender's graph fits it."""
+    model.__class__ = type(f"Local{type(model).__name__}", (type(model),), {})
+    model.compile(backend=args.backend)
+    return model
+
+
+CONTENDERS = [
+    Contender(REFERENCE, "fully_shard on each block and the root, eager", _fsdp2, compiled=False),
+    Contender("simplefsdp", "compile_sharded with default options", _simplefsdp),
+    Contender("simplefsdp-nopasses", "compile_sharded(" + ", ".join(f"{k}={v!r}" for k, v in PASSES_OFF.items()) + ")",
+              partial(_simplefsdp, **PASSES_OFF)),
+    Contender("fsdp2-compile", "fully_shard on each block and the root, each block torch.compile'd",
+              partial(_fsdp2, compile_blocks=True)),
+    Contender("ddp-compile", "DistributedDataParallel, torch.compile'd (full precision)", _ddp_compiled),
+    Contender("fsdp1", "FullyShardedDataParallel, one unit per block, eager", _fsdp1, compiled=False),
+    Contender("local", "one process per rank, its own per-rank batch, no communication, compiled (full precision)",
+              _local, distributed=False),
+]
+CONTENDER_NAMES = [contender.name for contender in CONTENDERS]

@@ -1,0 +1,234 @@
+"""The ranks' side of ``simplefsdp bench``: every selected contender built, warmed up, timed step by step, profiled."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from simplefsdp.bench.contenders import CONTENDERS, Contender
+from simplefsdp.bench.profiling import WINDOW, read_profile
+from simplefsdp.data import load_tokens, rank_batch
+from simplefsdp.models.llama import build_model
+from simplefsdp.runtime.mesh import device_type, init_distributed
+from simplefsdp.train import next_token_loss
+
+METHODS = {
+    "step_time": (
+        "wall time of forward+backward+optimizer step, slowest rank, median and quartiles over the measured steps, "
+        "which run interleaved across contenders; warm-up: the warm-up steps' total, compilation included "
+        "(Inductor's on-disk caches make a repeated run's compilation faster)"
+    ),
+    "peak_memory": (
+        "CPU: bytes allocated since the contender's fresh copy started being built and not yet freed, summed "
+        "from torch.profiler allocation and free events (profile_memory=True), maximum over the profiled step, "
+        "maximum over ranks; CUDA: torch.cuda.max_memory_allocated over that step"
+    ),
+    "collectives": "c10d::* operator events (process-group calls, barriers excluded) in the profiled step",
+    "comm": (
+        "summed duration of the backend's own collective events (e.g. gloo:all_gather, on its worker threads) in "
+        "the profiled step, and its share of that step's duration (the profiler slows the step)"
+    ),
+    "wait": (
+        "summed duration of _c10d_functional::wait_tensor events (compiled graphs); n/a where collectives "
+        "are waited on in Work.wait(), which the profiler does not record (eager FSDP2, FSDP1, DDP); in the "
+        "profiled step, with its share of that step's duration"
+    ),
+}
+
+
+def build(contender: Contender, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model built from ``--seed`` and wrapped by ``contender``, with its optimizer."""
+    torch.manual_seed(args.seed)
+    model = contender.wrap(build_model(args.model).to(device_type()), args)
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
+    """Forward, backward and optimizer step on ``batch``; the loss, after the device finished the step."""
+    loss = next_token_loss(model, batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if device_type() == "cuda":
+        torch.cuda.synchronize()
+    return loss.item()
+
+
+def step_batch(args: argparse.Namespace, tokens: torch.Tensor, step: int) -> torch.Tensor:
+    """This rank's batch of ``step``: the same for every contender."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return rank_batch(tokens, step, args.batch_size, args.seq_len, args.seed, rank, world).to(device_type())
+
+
+def gather(values: list[float]) -> torch.Tensor:
+    """Every rank's ``values``, shape ``(world, len(values))``, float64."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device_type())
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return torch.stack(everyone).cpu()
+
+
+class TimedRun:
+    """One contender's model and optimizer on this rank, with each step's time and loss.
+
+    ``warm_up`` runs the warm-up steps; a compiled contender that compiled no graph of its own
+    (it reused another contender's) raises, since its times would not be its own.
+    """
+
+    def __init__(self, contender: Contender, args: argparse.Namespace, tokens: torch.Tensor) -> None:
+        self.contender, self.args, self.tokens = contender, args, tokens
+        self.model, self.optimizer = build(contender, args)
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def step(self, step: int) -> None:
+        batch = step_batch(self.args, self.tokens, step)
+        dist.barrier()
+        start = time.perf_counter()
+        self.losses.append(train_step(self.model, self.optimizer, batch))
+        self.times.append(time.perf_counter() - start)
+
+    def warm_up(self) -> None:
+        from torch._dynamo.utils import counters
+
+        graphs = counters["stats"]["unique_graphs"]
+        for step in range(1, self.args.warmup + 1):
+            self.step(step)
+        if self.contender.compiled and counters["stats"]["unique_graphs"] == graphs:
+            raise RuntimeError("Dynamo compiled nothing for it: it reused another contender's graph; run it alone with --only")
+
+    def results(self) -> dict:
+        """Warm-up time and step-time statistics over ranks (slowest rank per step), losses per step."""
+        step_times = gather(self.times).max(dim=0).values.tolist()
+        rank_losses = gather(self.losses)
+        measured = step_times[self.args.warmup:]
+        median = statistics.median(measured)
+        q1, _, q3 = statistics.quantiles(measured, n=4) if len(measured) > 1 else (median,) * 3
+        return {
+            "warmup_s": sum(step_times[:self.args.warmup]),
+            "step_times_s": measured,
+            "step_time_s": {"median": median, "q1": q1, "q3": q3, "min": min(measured), "max": max(measured)},
+            "tokens_per_s_per_rank": self.args.batch_size * self.args.seq_len / median,
+            "losses": rank_losses.mean(dim=0).tolist(),
+            "last_loss": rank_losses[:, -1].mean().item(),
+            "last_loss_per_rank": rank_losses[:, -1].tolist(),
+        }
+
+
+def profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.Tensor) -> dict:
+    """A fresh copy of the contender trains two steps under torch.profiler (memory events on); the second is read.
+
+    The profiler slows that step, so it is not timed. Peak memory is the maximum over ranks.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, optimizer = build(contender, args)
+        for step in (1, 2):
+            batch = step_batch(args, tokens, step)
+            dist.barrier()
+            if device_type() == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            gc.collect()
+            with record_function(WINDOW if step == 2 else "warm-up"):
+                train_step(model, optimizer, batch)
+        cuda_peak = torch.cuda.max_memory_allocated() if device_type() == "cuda" else None
+        del model, optimizer
+    counts = read_profile(prof, dist.get_backend())
+    if cuda_peak is not None:
+        counts["peak_bytes"] = cuda_peak
+    peaks = gather([counts.pop("peak_bytes")])
+    return {**counts, "peak_bytes_per_rank": int(peaks.max().item())}
+
+
+def _failed(row: dict, error: Exception) -> None:
+    row.update(status="failed", reason=f"{type(error).__name__}: {str(error).strip().splitlines()[0]}")
+
+
+def measure(args: argparse.Namespace) -> dict | None:
+    """Run every selected contender on this rank; rank 0 returns the results, the others None.
+
+    Each contender is built and warmed up in turn; then the measured steps are interleaved
+    (step s of every contender, in an order rotated each step) so that drift in the machine's
+    load falls on all of them alike; last, each contender's profile pass. A contender that
+    raises becomes a row with the reason (the same error on every rank).
+    """
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = print if rank == 0 else (lambda *_, **__: None)
+    # Every compiled contender's graphs stay cached side by side (each one's own classes keep
+    # their guards apart); the default limit of 8 entries per code object is too few for that.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    tokens = load_tokens(None, args.seed)
+    selected = [contender for contender in CONTENDERS if args.only is None or contender.name in args.only]
+    rows = {c.name: {"name": c.name, "summary": c.summary, "distributed": c.distributed, "status": "ok"} for c in selected}
+    timed: dict[str, TimedRun] = {}
+    for index, contender in enumerate(selected, 1):
+        say(f"[{index}/{len(selected)}] {contender.name}: {contender.summary}: warming up ...", flush=True)
+        try:
+            run = TimedRun(contender, args, tokens)
+            run.warm_up()
+            timed[contender.name] = run
+        except Exception as error:  # a contender that cannot run here becomes a row with the reason
+            _failed(rows[contender.name], error)
+            say(f"[{index}/{len(selected)}] {contender.name}: {rows[contender.name]['reason']}", flush=True)
+    say(f"measuring {args.steps} steps of {', '.join(timed)}, interleaved ...", flush=True)
+    for step in range(args.warmup + 1, args.warmup + args.steps + 1):
+        names = list(timed)
+        turn = step % max(1, len(names))
+        for name in names[turn:] + names[:turn]:
+            try:
+                timed[name].step(step)
+            except Exception as error:
+                del timed[name]
+                _failed(rows[name], error)
+    for name, run in timed.items():
+        rows[name].update(run.results())
+    timed.clear()
+    for index, contender in enumerate(selected, 1):
+        row = rows[contender.name]
+        if row["status"] == "ok":
+            try:
+                row.update(profile_pass(contender, args, tokens))
+            except Exception as error:
+                _failed(row, error)
+            dist.barrier()
+        say(f"[{index}/{len(selected)}] {contender.name}: {_progress(row)}", flush=True)
+    dist.destroy_process_group()
+    if rank:
+        return None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "device": device_type(),
+        "cpu_cores": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "process_group_backend": "nccl" if device_type() == "cuda" else "gloo",
+        "world_size": world,
+        **{option: getattr(args, option) for option in ("model", "steps", "warmup", "batch_size", "seq_len")},
+        "parameters": sum(p.numel() for p in build_model(args.model).parameters()),
+        "param_dtype": str(args.param_dtype).removeprefix("torch.") if args.param_dtype else None,
+        "reduce_dtype": str(args.reduce_dtype).removeprefix("torch.") if args.reduce_dtype else None,
+        "compile_backend": args.backend,
+        "optimizer": f"AdamW(lr={args.lr})",
+        "seed": args.seed,
+        "methods": METHODS,
+        "rows": list(rows.values()),
+    }
+
+
+def _progress(row: dict) -> str:
+    if row["status"] != "ok":
+        return row["reason"]
+    return (f"median step {row['step_time_s']['median']:.3f} s, warm-up {row['warmup_s']:.1f} s, "
+            f"peak {row['peak_bytes_per_rank'] / 2**20:.1f} MiB/rank, {row['collectives_per_step']} collectives/step, "
+            f"last loss {row['last_loss']:.6f}")

@@ -1,0 +1,92 @@
+"""The launching process's side of ``simplefsdp bench``: the table, notes and verdicts, the JSON and the chart."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from simplefsdp import plots
+from simplefsdp.bench.contenders import REFERENCE
+from simplefsdp.bench.verdicts import check_parity, goal_lines
+
+DEFAULT_PLOT = "runs/bench.png"
+
+
+def _ratio(value: float | None, reference: float | None) -> str:
+    return "—" if value is None or not reference else f"{value / reference:.2f}x"
+
+
+def _share(milliseconds: float | None, row: dict) -> str:
+    if milliseconds is None:
+        return "n/a"
+    return f"{milliseconds:.1f} ({100 * milliseconds / row['profiled_step_ms']:.0f}%)"
+
+
+def _workload(results: dict) -> str:
+    return (f"{results['model']} on {results['world_size']} {results['process_group_backend']} rank(s), "
+            f"{results['batch_size']}x{results['seq_len']} tokens per rank per step")
+
+
+def format_table(results: dict) -> str:
+    """The results as a Markdown table with ratios to FSDP2 eager (and to ``local`` for step time)."""
+    rows = {row["name"]: row for row in results["rows"]}
+    ok = {name: row for name, row in rows.items() if row["status"] == "ok"}
+    ref, local = ok.get(REFERENCE), ok.get("local")
+    header = ["contender", "step s (median)", "step s (q1–q3)", "step × FSDP2", "step × local", "tok/s/rank",
+              "peak MiB/rank", "mem × FSDP2", "collectives/step", "comm ms/step", "wait ms/step",
+              "warm-up s", "last loss", "Δ loss vs FSDP2"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, row in rows.items():
+        if row["status"] != "ok":
+            lines.append(f"| {name} | {row['status']}: {row['reason']} |" + " — |" * (len(header) - 2))
+            continue
+        median, peak = row["step_time_s"]["median"], row["peak_bytes_per_rank"]
+        delta = ("n/a (own batch)" if not row["distributed"] else
+                 "—" if ref is None else f"{row['last_loss'] - ref['last_loss']:+.2e}")
+        cells = [
+            name, f"{median:.4f}", f"{row['step_time_s']['q1']:.4f}–{row['step_time_s']['q3']:.4f}",
+            _ratio(median, ref and ref["step_time_s"]["median"]), _ratio(median, local and local["step_time_s"]["median"]),
+            f"{row['tokens_per_s_per_rank']:,.0f}", f"{peak / 2**20:.1f}", _ratio(peak, ref and ref["peak_bytes_per_rank"]),
+            str(row["collectives_per_step"]), _share(row["comm_ms_per_step"], row), _share(row["wait_ms_per_step"], row),
+            f"{row['warmup_s']:.1f}", f"{row['last_loss']:.6f}", delta,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_chart(results: dict, path: str | Path) -> Path:
+    """Median step time and peak memory per rank of each contender, as two bar panels (n/a where it failed)."""
+    ok = {row["name"]: row if row["status"] == "ok" else None for row in results["rows"]}
+    return plots.bar_chart(path, f"{_workload(results)}, torch {results['torch']}", {
+        "median step time (s)": {name: row and row["step_time_s"]["median"] for name, row in ok.items()},
+        "peak memory per rank (MiB)": {name: row and row["peak_bytes_per_rank"] / 2**20 for name, row in ok.items()},
+    })
+
+
+def report(results: dict, json_path: str | None, plot_path: str | None) -> int:
+    """Print the table, notes and verdicts; write the JSON and the chart; 1 when loss parity fails, else 0.
+
+    ``plot_path`` None: the chart goes to ``runs/bench.png``, or is skipped with a line saying why
+    when matplotlib is not installed.
+    """
+    parity_ok, parity = check_parity(results)
+    print(f"\n{_workload(results)}, {results['steps']} measured steps after {results['warmup']} warm-up, "
+          f"torch {results['torch']}, {results['cpu_cores']} CPU cores, compile backend {results['compile_backend']}\n")
+    print(format_table(results))
+    print()
+    for line in [*(f"- {name}: {text}" for name, text in results["methods"].items()), *parity, *goal_lines(results)]:
+        print(line)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {json_path}")
+    if plot_path is None and (reason := plots.missing()):
+        print(f"skipped {DEFAULT_PLOT}: {reason}")
+    else:
+        print(f"wrote {write_chart(results, plot_path or DEFAULT_PLOT)}")
+    if not parity_ok:
+        print("simplefsdp bench: failed: simplefsdp did not reproduce FSDP2 eager's loss; the 'loss parity' lines "
+              "above say which row, the rule and the difference", file=sys.stderr)
+        return 1
+    return 0
