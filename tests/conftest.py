@@ -1,6 +1,9 @@
 import pytest
 import torch.distributed as dist
+from ranks import apply_simulated_simdlen
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+apply_simulated_simdlen()
 
 
 @pytest.fixture

@@ -20,7 +20,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def apply_simulated_simdlen() -> None:
+    """``SIMPLEFSDP_TEST_SIMDLEN=N``: Inductor's C++ kernels use N-bit vectors (1: scalar), as on another CPU.
+
+    ``torch._inductor.config.cpp.simdlen`` has no environment variable of its own; ``ATEN_CPU_CAPABILITY``
+    moves eager ATen and Inductor together, this moves Inductor alone. Called in every test process.
+    """
+    if "SIMPLEFSDP_TEST_SIMDLEN" in os.environ:
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.simdlen = int(os.environ["SIMPLEFSDP_TEST_SIMDLEN"])
+
+
 def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    apply_simulated_simdlen()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),

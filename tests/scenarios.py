@@ -1,12 +1,20 @@
-"""Models, data and training loops shared by the multi-rank numerics tests.
+"""Models, data, training loops and fp32 error bounds shared by the multi-rank numerics tests.
 
 Each scenario is a model factory, a global batch per step and a loss. A rank
 trains its slice of every global batch; the reference trains the whole global
 batch in one process with no sharding at all.
+
+Against the reference the optimizer is plain SGD: the parameter update is then
+linear in the gradients, so a bound on the gradients' rounding differences bounds
+the updates'. AdamW divides each gradient element by its own running magnitude:
+a rounding difference on a near-zero element becomes an O(lr) parameter
+difference, and no fp32 bound exists for that. AdamW stays where the check is
+bitwise (against FSDP2), so the optimizer on DTensors stays covered.
 """
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 
 import torch
@@ -19,7 +27,47 @@ from simplefsdp.models.llama import build_model
 
 STEPS = 5
 LOCAL_BATCH = 2
-LR = 1e-3
+SGD_LR = 0.1  # large enough that updates are not lost in the parameters' rounding, small enough to be stable
+ADAMW_LR = 1e-3
+
+# fp32 error bound for one forward+backward of the debug model computed twice with reductions in another
+# order (a batch split over ranks, Inductor's fused kernels, another CPU's vector width):
+# - a sum of K terms reordered differs by at most gamma_K = K*u/(1-K*u) times the sum of the terms'
+#   magnitudes (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1), u = 2^-24.
+#   We compare norm-wise: for sums of terms of random sign the sum of magnitudes is about sqrt(K) times
+#   the sum, and reordered rounding errors grow like sqrt(K)*u (Higham and Mary, 2019), so gamma_K
+#   relative to the result is the right size.
+# - the longest reduction is the 256-word vocabulary (cross-entropy's sum, the output layer's input
+#   gradient); the others are 64 (dim, tokens per step at 2 ranks), 128 (tokens at 4 ranks), 192 (SwiGLU).
+# - errors add along the longest dependent chain of reductions, each op of condition about 1: forward per
+#   block 9 (2 RMSNorm means, q, scores, softmax sum, probs@v, wo, w1, w2), 2 blocks plus final norm,
+#   output, the loss's two sums: 22; backward mirrors each: 22; the gradient's reduction over ranks: 1.
+#   Counted up to 48.
+# - an elementwise op is not reordered, but another kernel (vectorized vs scalar exp/rsqrt/sigmoid, FMA or
+#   not) may round it otherwise: at most 2u for each of the ~160 elementwise ops on that chain.
+U = 2.0**-24
+LONGEST_REDUCTION = 256
+DEPENDENT_REDUCTIONS = 48
+ELEMENTWISE_OPS = 160
+
+
+def gamma(terms: int) -> float:
+    """Higham's gamma_K: the relative error bound of a K-term fp32 sum in any order."""
+    return terms * U / (1 - terms * U)
+
+
+FORWARD_BACKWARD_BOUND = DEPENDENT_REDUCTIONS * gamma(LONGEST_REDUCTION) + ELEMENTWISE_OPS * 2 * U
+
+
+def update_bound(initial: torch.Tensor, update: torch.Tensor) -> float:
+    """Bound on the norm-wise relative difference of two SGD runs' ``update = p_final - p_init``.
+
+    The gradients' differences pass linearly into the update (FORWARD_BACKWARD_BOUND; after the first step
+    the parameters differ too, by lr times that, which moves the next gradient by far less). Each step also
+    rounds ``p - lr * g`` to the parameter's own ulp: two runs whose gradients differ may round apart by
+    2u|p| per step, which norm-wise is 2 * STEPS * u * |p_init| / |update|.
+    """
+    return FORWARD_BACKWARD_BOUND + 2 * STEPS * U * initial.norm().item() / update.norm().clamp_min(1e-30).item()
 
 
 class WithTinyFirstDim(nn.Module):
@@ -105,11 +153,16 @@ def build(scenario: str) -> nn.Module:
     return SCENARIOS[scenario][0]()
 
 
+def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=SGD_LR) if name == "sgd" else torch.optim.AdamW(params, lr=ADAMW_LR)
+
+
 def train_reference(scenario: str, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single process, no sharding: AdamW on the concatenated global batch of ``world_size`` ranks."""
+    """Single process, no sharding: SGD on the concatenated global batch of ``world_size`` ranks."""
     model = build(scenario)
     _, batch, loss_fn = SCENARIOS[scenario]
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    optimizer = make_optimizer(model, "sgd")
     losses = []
     for step in range(STEPS):
         inputs, target = batch(step, LOCAL_BATCH * world_size)
@@ -121,17 +174,19 @@ def train_reference(scenario: str, world_size: int) -> tuple[list[float], dict[s
     return losses, {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
-def _wrap_fsdp2(model: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _wrap_fsdp2(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for layer in getattr(model, "layers", []):
-        fully_shard(layer, mp_policy=policy)
-    return fully_shard(model, mp_policy=policy)
+        fully_shard(layer)
+    return fully_shard(model)
 
 
 def train_on_rank(scenario: str, wrapper: str, options: dict) -> dict:
-    """Train this rank's slice with ``wrapper`` ("simplefsdp" or "fsdp2"); return losses, params, checks."""
+    """Train this rank's slice with ``wrapper`` ("simplefsdp" or "fsdp2"); return losses, params, checks.
+
+    ``options["optimizer"]`` is "sgd" (the default) or "adamw"; the rest go to ``compile_sharded``.
+    """
     from simplefsdp import MixedPrecision, compile_sharded
 
     torch._dynamo.reset()
@@ -142,10 +197,11 @@ def train_on_rank(scenario: str, wrapper: str, options: dict) -> dict:
     options = dict(options)
     mesh_shape = options.pop("mesh_shape", None)
     param_dtype = options.pop("param_dtype", None)
+    optimizer_name = options.pop("optimizer", "sgd")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if wrapper == "fsdp2":
-            model = _wrap_fsdp2(model, param_dtype)
+            model = _wrap_fsdp2(model)
         else:
             if mesh_shape is not None:
                 from torch.distributed.device_mesh import init_device_mesh
@@ -155,8 +211,8 @@ def train_on_rank(scenario: str, wrapper: str, options: dict) -> dict:
             returned = compile_sharded(model, mp_policy=policy, **options)
             assert returned is model
         _, batch, loss_fn = SCENARIOS[scenario]
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-        losses, grad_placements = [], {}
+        optimizer = make_optimizer(model, optimizer_name)
+        losses, grad_placements, grad_digests = [], {}, []
         for step in range(STEPS):
             inputs, target = batch(step, LOCAL_BATCH * world)
             loss = loss_fn(model(inputs.chunk(world)[rank]), target.chunk(world)[rank])
@@ -165,6 +221,7 @@ def train_on_rank(scenario: str, wrapper: str, options: dict) -> dict:
                 name: None if p.grad is None else (type(p.grad).__name__, tuple(map(str, p.grad.placements)))
                 for name, p in model.named_parameters()
             }
+            grad_digests.append(_digest(p.grad.to_local() for p in model.parameters() if p.grad is not None))
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.detach())
@@ -174,12 +231,21 @@ def train_on_rank(scenario: str, wrapper: str, options: dict) -> dict:
         "param_placements": {name: tuple(map(str, p.placements)) for name, p in model.named_parameters()},
         "param_is_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
         "grad_placements": grad_placements,
+        "grad_digests": grad_digests,
         "state_dict_keys": list(model.state_dict()),
         "buffers": {name: b.clone() for name, b in model.named_buffers()},
         "tied": scenario != "tied_llama"
         or model.output._parameters["weight"] is model.tok_embeddings._parameters["weight"],
         "warnings": [str(w.message) for w in caught if "graph-breaks" in str(w.message)],
     }
+
+
+def _digest(tensors) -> str:
+    """A hash of the tensors' bytes: equal digests mean bitwise-equal tensors."""
+    sha = hashlib.sha256()
+    for tensor in tensors:
+        sha.update(tensor.detach().flatten().view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
 
 
 def run_jobs(jobs: list[tuple[str, str, dict]]) -> list[dict]:

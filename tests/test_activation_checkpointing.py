@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_on_ranks
+from scenarios import FORWARD_BACKWARD_BOUND, SGD_LR
 
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -23,7 +24,7 @@ def _losses(mode, compile_options):
     model = build_model("debug")
     apply_activation_checkpointing(model.layers, mode)
     compile_sharded(model, **compile_options)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)  # linear in the gradients: see scenarios.py
     losses = []
     for step in range(3):
         tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(2 * step + dist.get_rank()))
@@ -54,7 +55,8 @@ def test_checkpointing_leaves_losses_unchanged():
         for mode in ("full-eager", "full", "selective"):
             assert losses[mode] == losses["none"], mode
         for mode in ("full-inductor-passes", "selective-inductor-passes"):
-            assert losses[mode] == pytest.approx(losses["none"], rel=1e-5), mode
+            # Inductor reorders reductions: within fp32 rounding of the debug model's forward+backward
+            assert losses[mode] == pytest.approx(losses["none"], rel=FORWARD_BACKWARD_BOUND, abs=0), mode
 
 
 def _saved_activation_bytes(mode: str) -> int:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from collectives import CountCollectives
 from ranks import run_on_ranks
+from scenarios import FORWARD_BACKWARD_BOUND, U, gamma
 
 import simplefsdp
 from simplefsdp.models.llama import build_model
@@ -20,7 +21,10 @@ def _loss(model, tokens):
 
 
 def _clip(max_norm, norm_type):
-    """Clip sharded (eager: the item is not about Inductor) and unsharded gradients; return norms and max error."""
+    """Clip sharded (eager: the item is not about Inductor) and unsharded gradients.
+
+    Returns both total norms, the largest norm-wise relative difference of a clipped gradient, and the counts.
+    """
     torch.manual_seed(0)
     model = build_model("debug")
     reference = copy.deepcopy(model)
@@ -33,7 +37,8 @@ def _clip(max_norm, norm_type):
         norm = simplefsdp.clip_grad_norm_(model, max_norm, norm_type)
     expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type)
     expected = dict(reference.named_parameters())
-    error = max((p.grad.full_tensor() - expected[n].grad).abs().max().item() for n, p in model.named_parameters())
+    error = max(((p.grad.full_tensor() - expected[n].grad).norm() / expected[n].grad.norm()).item()
+                for n, p in model.named_parameters())
     return norm.item(), expected_norm.item(), error, dict(counter.counts)
 
 
@@ -45,8 +50,16 @@ def _clip_cases():
 
 
 def test_clip_matches_unsharded():
+    # The gradients differ within fp32 rounding of a forward+backward (the batch is split over ranks), and a
+    # norm moves by no more than its argument. The 2-norm's sum of squares over all N elements, summed per
+    # shard then over ranks instead of per tensor then over tensors, adds gamma_N relative, half that after
+    # the square root; the inf-norm's max rounds nothing. Clipping multiplies by max_norm / (norm + 1e-6):
+    # the norm's difference, then two more roundings.
+    elements = sum(p.numel() for p in build_model("debug").parameters())
+    norm_bound = {2.0: FORWARD_BACKWARD_BOUND + gamma(elements) / 2, float("inf"): FORWARD_BACKWARD_BOUND}
     for results in run_on_ranks(2, _clip_cases):
         for (norm, expected_norm, error, counts), case in zip(results, CASES):
-            assert norm == pytest.approx(expected_norm, rel=1e-5), case
-            assert error < 1e-7, case
+            bound = norm_bound[case[1]]
+            assert norm == pytest.approx(expected_norm, rel=bound, abs=0), case
+            assert error <= FORWARD_BACKWARD_BOUND + bound + 2 * U, case
             assert counts == {"allreduce_": 1}, case

@@ -53,6 +53,7 @@ def test_roofline_picks_the_slower_of_compute_and_memory():
     copy = ScheduleNode("copy", COMPUTE, "aten.clone.default", "", (), bytes_read=GiB, bytes_written=GiB)
     view = ScheduleNode("view", COMPUTE, "aten.view.default", "", (), alias_of="mm")
     rate = H100.flops_per_s["bfloat16"]
+    # approx's default rel=1e-6: the same formula in float64, a few roundings of 2^-53 apart
     assert node_time(matmul, H100, torch.bfloat16) == pytest.approx(H100.kernel_overhead + 2 * 8192**3 / rate)
     assert node_time(copy, H100) == pytest.approx(H100.kernel_overhead + 2 * GiB / H100.memory_bandwidth)
     assert node_time(view, H100) == 0.0

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from collectives import CountCollectives
 from ranks import run_on_ranks
+from scenarios import FORWARD_BACKWARD_BOUND
 from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import compile_sharded
@@ -54,8 +55,8 @@ def _accumulate(mode, mesh_shape, backend, use_context_manager):
         pass
     _loss(reference, data).backward()
     expected = dict(reference.named_parameters())
-    errors = {name: (p.grad.full_tensor() - expected[name].grad).abs().max().item() for name, p in model.named_parameters()}
-    scale = max(p.grad.abs().max().item() for p in reference.parameters())
+    relative_error = max(((p.grad.full_tensor() - expected[name].grad).norm() / expected[name].grad.norm()).item()
+                         for name, p in model.named_parameters())
     model.zero_grad()
     reductions = []
     cycle = _accumulate_once(model, micro_batches, use_context_manager)
@@ -63,7 +64,7 @@ def _accumulate(mode, mesh_shape, backend, use_context_manager):
         with CountCollectives() as counter:
             next(cycle)
         reductions.append(dict(counter.counts))
-    return reductions, max(errors.values()) / scale
+    return reductions, relative_error
 
 
 @pytest.mark.parametrize(
@@ -75,7 +76,10 @@ def _accumulate(mode, mesh_shape, backend, use_context_manager):
 )
 def test_accumulation_matches_one_batch_and_defers_reduction(mode, mesh_shape, backend, reduction, use_context_manager):
     for reductions, relative_error in run_on_ranks(2, _accumulate, mode, mesh_shape, backend, use_context_manager):
-        assert relative_error < 1e-5
+        # 4 micro-batches x 2 ranks x 2 sequences x 16 tokens: each weight gradient sums the same 256 token terms
+        # as the reference, in another order (within LONGEST_REDUCTION): fp32 rounding of a forward+backward;
+        # dividing each micro-batch's loss by 4 is exact.
+        assert relative_error <= FORWARD_BACKWARD_BOUND
         for counts in reductions[:-1]:
             assert not any("reduce" in name for name in counts), counts
         # the same counter sees one reduction per parameter in the last micro-batch

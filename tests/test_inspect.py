@@ -47,12 +47,8 @@ def kinds(schedule, kind):
     return [node.collective.kind for node in schedule.collectives() if node.collective.kind == kind]
 
 
-def test_fully_shard_gathers_every_parameter_and_reduce_scatters_every_gradient(traced):
-    num_params = len(list(build_model("debug").parameters()))
-    assert len(kinds(traced.forward, "all_gather")) == num_params
-    assert len(kinds(traced.backward, "reduce_scatter")) == num_params
-    # reshard after forward: the backward gathers again every weight its gradient needs (all but the embedding's)
-    assert len(kinds(traced.backward, "all_gather")) == num_params - 1
+def test_a_gathers_bytes_group_and_dtype_are_read_from_the_graph(traced):
+    # How many collectives the traced graphs hold is pinned once, in test_graphs.py.
     wq = next(node for node in traced.forward.collectives() if node.fqn == "layers.0.attention.wq")
     assert wq.collective.bytes == 64 * 64 * 2 and wq.collective.group_size == 8
     assert wq.collective.dtype == torch.bfloat16
@@ -303,7 +299,8 @@ def test_one_model_class_can_be_captured_more_often_than_dynamos_per_code_limit(
     limit = torch._dynamo.config.recompile_limit
     for _ in range(limit + 2):
         graphs = capture_graphs(_Tiny(), (torch.randn(2, 4),), fused_attention=False)
-    assert graphs.forward is not None and graphs.backward is not None
+    # the last capture traced the model: its forward holds the linear's matmul
+    assert any("mm" in str(node.target) for node in graphs.forward.graph.nodes), graphs.forward.code
 
 
 class TwoLinears(nn.Module):

@@ -59,6 +59,7 @@ def test_simulator_overlaps_a_collective_with_compute_until_its_wait():
         compute("mm2", ["wait"], flops=1e9),
     ], outputs=["mm2"])
     prediction = simulate(forward, schedule("backward", [], [], []), hardware)
+    # approx's default rel=1e-6: the simulator sums a handful of float64 times, each a few roundings of 2^-53
     assert prediction.step_time == pytest.approx(3e-3)
     assert prediction.compute_time == pytest.approx(2e-3)
     assert prediction.communication_time == pytest.approx(2e-3)

@@ -2,6 +2,9 @@
 
 All jobs of one world size run in one launch of ranks (to pay process start-up
 and compilation once); each test below checks one job against its reference.
+Against the single-process reference (SGD) the bound comes from fp32 rounding
+(``scenarios.FORWARD_BACKWARD_BOUND``); where two jobs run the same arithmetic in
+the same order (passes on and off, ``aot_eager`` and FSDP2 eager) the check is bitwise.
 """
 
 from __future__ import annotations
@@ -10,15 +13,17 @@ import pytest
 import torch
 
 from ranks import run_on_ranks
-from scenarios import build, run_jobs, train_reference
+from scenarios import FORWARD_BACKWARD_BOUND, build, run_jobs, train_reference, update_bound
 
 INDUCTOR = {"backend": "inductor"}
 EAGER = {"compile": False}
 PASSES_OFF = {**INDUCTOR, "buckets": None, "reorder": False}
 KEEP_UNSHARDED = {"reshard_after_forward": False}
+ADAMW = {"optimizer": "adamw"}  # bitwise checks only: see scenarios.py
 MANUAL_PLAN = [["tok_embeddings"], ["layers.0", "layers.1"], ["norm", "output"]]
 # Passes on, each bucket mode with reorder on and off, resharding on and off (compile_sharded's default is
 # buckets="auto", reorder=True, so "fully_shard-inductor" and "...-keep-unsharded" are the auto jobs).
+# The passes only move and merge collectives: every step's gradients must be bitwise those without them.
 PASS_JOBS = {
     "fully_shard-inductor": "passes-off-inductor",
     "fully_shard-inductor-keep-unsharded": "passes-off-inductor-keep-unsharded",
@@ -42,10 +47,11 @@ TWO_RANK_JOBS = {
     "no-buckets-reorder-inductor-keep-unsharded": ("llama", "simplefsdp", {**INDUCTOR, **KEEP_UNSHARDED, "buckets": None}),
     "replicate-eager": ("llama", "simplefsdp", {**EAGER, "mode": "replicate"}),
     "replicate-inductor": ("llama", "simplefsdp", {**INDUCTOR, "mode": "replicate"}),
-    "fully_shard-aot_eager": ("llama", "simplefsdp", {"backend": "aot_eager"}),
-    "fsdp2": ("llama", "fsdp2", {}),
-    "fully_shard-aot_eager-bf16": ("llama", "simplefsdp", {"backend": "aot_eager", "param_dtype": torch.bfloat16}),
-    "fsdp2-bf16": ("llama", "fsdp2", {"param_dtype": torch.bfloat16}),
+    "fully_shard-aot_eager-adamw": ("llama", "simplefsdp", {"backend": "aot_eager", **ADAMW}),
+    "fsdp2-adamw": ("llama", "fsdp2", ADAMW),
+    "fully_shard-eager-bf16-adamw": ("llama", "simplefsdp", {**EAGER, "param_dtype": torch.bfloat16, **ADAMW}),
+    "fully_shard-aot_eager-bf16-adamw": (
+        "llama", "simplefsdp", {"backend": "aot_eager", "param_dtype": torch.bfloat16, **ADAMW}),
     **{
         f"{scenario}-{name}": (scenario, "simplefsdp", options)
         for scenario in ("linear_7x5", "tiny_first_dim", "tied_llama", "frozen_layer", "buffer")
@@ -73,25 +79,40 @@ def results() -> dict[str, list[dict]]:
 
 def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Norm-wise relative difference ``|actual - expected| / |expected|``."""
-    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)).item()
+    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30)).item()
 
 
-SIMPLEFSDP_JOBS = [name for name, (_, (_, wrapper, _)) in JOBS.items() if wrapper == "simplefsdp" and "bf16" not in name]
+SIMPLEFSDP_JOBS = [name for name, (_, (_, wrapper, _)) in JOBS.items() if wrapper == "simplefsdp"]
+REFERENCE_JOBS = [name for name in SIMPLEFSDP_JOBS if JOBS[name][1][2].get("optimizer", "sgd") == "sgd"]
 
 
-@pytest.mark.parametrize("job", SIMPLEFSDP_JOBS)
+@pytest.mark.parametrize("job", REFERENCE_JOBS)
 def test_matches_single_process_reference(results, job):
+    """Losses and parameter updates (``p_final - p_init``: the parameters' own size would hide errors)
+    within fp32 rounding of one process training the global batch."""
     world, (scenario, _, _) = JOBS[job]
     ranks = results[job]
     ref_losses, ref_params = train_reference(scenario, world)
+    initial = dict(build(scenario).named_parameters())
     # With equal local batches the global mean loss is the mean of the rank losses.
     losses = [sum(rank["losses"][step] for rank in ranks).item() / world for step in range(len(ref_losses))]
     for step, (loss, ref) in enumerate(zip(losses, ref_losses)):
-        assert abs(loss - ref) <= 1e-5 * abs(ref), f"step {step}: loss {loss} vs reference {ref}"
+        # a loss is a forward (part of the forward+backward bound) on parameters that differ by an lr-sized
+        # multiple of it, which moves the loss by far less
+        assert abs(loss - ref) <= FORWARD_BACKWARD_BOUND * abs(ref), f"step {step}: loss {loss} vs reference {ref}"
+    worst = 0.0
     for rank in ranks:
         assert rank["params"].keys() == ref_params.keys()
         for name, ref in ref_params.items():
-            assert relative_difference(rank["params"][name], ref) <= 1e-5, name
+            start = initial[name].detach()
+            ref_update, update = ref - start, rank["params"][name] - start
+            if not initial[name].requires_grad:
+                assert torch.equal(update, ref_update), f"frozen {name} changed"
+                continue
+            difference, bound = relative_difference(update, ref_update), update_bound(start, ref_update)
+            assert difference <= bound, f"{name}: update differs by {difference:.2e} (bound {bound:.2e})"
+            worst = max(worst, difference / bound)
+    print(f"{job}: largest update difference is {worst:.3f} of its bound")
 
 
 @pytest.mark.parametrize("job", SIMPLEFSDP_JOBS)
@@ -114,23 +135,33 @@ def test_parameters_and_gradients_are_sharded_dtensors(results, job):
 @pytest.mark.parametrize("job", PASS_JOBS)
 def test_passes_leave_numerics_bitwise_unchanged(results, job):
     for ours, without in zip(results[job], results[PASS_JOBS[job]]):
+        assert ours["grad_digests"] == without["grad_digests"]  # every step's gradient shards, bitwise
         assert all(torch.equal(a, b) for a, b in zip(ours["losses"], without["losses"]))
         assert all(torch.equal(ours["params"][n], without["params"][n]) for n in without["params"])
 
 
-def test_losses_bitwise_equal_fsdp2_eager(results):
-    for ours, theirs in zip(results["fully_shard-aot_eager"], results["fsdp2"]):
+def test_aot_eager_is_bitwise_fsdp2_eager(results):
+    """The same ops in the same order as FSDP2 eager, with AdamW on DTensors."""
+    for ours, theirs in zip(results["fully_shard-aot_eager-adamw"], results["fsdp2-adamw"]):
+        assert ours["grad_digests"] == theirs["grad_digests"]  # every step's gradient shards, bitwise
         assert all(torch.equal(a, b) for a, b in zip(ours["losses"], theirs["losses"]))
         assert all(torch.equal(ours["params"][n], theirs["params"][n]) for n in theirs["params"])
 
 
-def test_bf16_mixed_precision_matches_fsdp2(results):
-    for ours, theirs in zip(results["fully_shard-aot_eager-bf16"], results["fsdp2-bf16"]):
-        for a, b in zip(ours["losses"], theirs["losses"]):
-            assert abs(a.item() - b.item()) <= 1e-2 * abs(b.item())
-        for name, param in theirs["params"].items():
-            assert ours["params"][name].dtype == torch.float32  # fp32 master parameters
-            assert relative_difference(ours["params"][name], param) <= 1e-2, name
+def test_bf16_mixed_precision_compiles_bitwise_like_eager(results):
+    """bf16 compute with fp32 master parameters: the compiled graphs cast where eager casts.
+
+    Against FSDP2's bf16 there is no bitwise check (its first forward already differs in the last bits) and no
+    useful bound (bf16 rounds each op's output to 2^-8; across a forward+backward that bounds nothing).
+    """
+    for compiled, eager, fp32 in zip(results["fully_shard-aot_eager-bf16-adamw"],
+                                     results["fully_shard-eager-bf16-adamw"], results["fully_shard-aot_eager-adamw"]):
+        assert compiled["grad_digests"] == eager["grad_digests"]
+        assert all(torch.equal(a, b) for a, b in zip(compiled["losses"], eager["losses"]))
+        for name, param in eager["params"].items():
+            assert compiled["params"][name].dtype == torch.float32  # fp32 master parameters
+            assert torch.equal(compiled["params"][name], param), name
+        assert not torch.equal(compiled["losses"][0], fp32["losses"][0])  # param_dtype took effect
 
 
 def test_tied_weights_stay_tied(results):

@@ -205,21 +205,19 @@ def test_generated_code_prefetches_each_layer_and_other_models_are_unaffected(wo
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = compile_sharded(build_model("debug"), buckets="block", prefetch=1)
-    _, (forward_code, backward_code) = run_and_get_code(lambda: model(torch.randint(0, 256, TOKENS)).sum().backward())
+    _, (forward_code, _) = run_and_get_code(lambda: model(torch.randint(0, 256, TOKENS)).sum().backward())
     other = compile_sharded(TwoLinears(), buckets=None, reorder=False, reshard_after_forward=False)
     _, (other_code, _) = run_and_get_code(lambda: other(torch.randn(2, 8)).sum().backward())
     events = re.findall(r"_c10d_functional\.(all_gather_into_tensor(?:_out)?|reduce_scatter_tensor)\.default\(|"
                         r"extern_kernels\.(mm)\(", forward_code)
     events = [collective or matmul for collective, matmul in events]
-    assert events.count("all_gather_into_tensor") + events.count("all_gather_into_tensor_out") == LAYERS + 2
     per_layer = linears(build_model("debug").layers[0])
     first_matmul = [i for i, event in enumerate(events) if event == "mm"][::per_layer]
     gathers = [i for i, event in enumerate(events) if event.startswith("all_gather")]
     # Bucket k+1 (layer k, then the tail) is issued before the first matmul of bucket k (layer k-1).
     for layer in range(1, LAYERS + 1):
         assert gathers[layer + 1] < first_matmul[layer - 1], (layer, events)
-    assert len(re.findall(r"reduce_scatter_tensor\.default\(", backward_code)) == LAYERS + 2
-    assert len(re.findall(r"all_gather_into_tensor_out\.default\(", backward_code)) == LAYERS + 1
+    # How many collectives the buckets leave is pinned once, in test_block_buckets_rewrite_the_graphs.
     # The second model compiled in the same process keeps one all-gather per parameter.
     assert len(re.findall(r"all_gather_into_tensor\.default\(", other_code)) == 4
     assert "all_gather_into_tensor_out" not in other_code
@@ -228,12 +226,28 @@ def test_generated_code_prefetches_each_layer_and_other_models_are_unaffected(wo
 def test_first_gather_is_hoisted_above_compute_it_does_not_need(resharded):
     graphs, _, _ = resharded
     # The merged first bucket starts with its own copy-in: it must not be pinned to run after the gather.
+    plan = [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
     forward = copy.deepcopy(graphs.forward)
-    passes = OverlapPasses([["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]], reorder=True)
+    passes = OverlapPasses(plan, reorder=True)
     passes(forward.graph)
     forward.graph.lint()
     backward = copy.deepcopy(graphs.backward)
     passes(backward.graph)
     backward.graph.lint()
-    hoisted = [p for _, reorder in passes.plans for p in reorder.prefetches if p.after is None]
-    assert [p.anchor for p in hoisted if p.collective.startswith("all_gather")]
+    hoisted = 0
+    for graph_module, (_, reorder) in zip((graphs.forward, graphs.backward), passes.plans):
+        bucketed = copy.deepcopy(graph_module)
+        OverlapPasses(plan, reorder=False)(bucketed.graph)  # the graph the reorder plan names
+        nodes = {node.name: node for node in bucketed.graph.nodes}
+        for prefetch in reorder.prefetches:
+            if prefetch.after is not None or not prefetch.collective.startswith("all_gather"):
+                continue
+            needed, stack = set(), [nodes[prefetch.collective]]
+            while stack:
+                for node in stack.pop().all_input_nodes:
+                    if node.name not in needed:
+                        needed.add(node.name)
+                        stack.append(node)
+            assert prefetch.anchor in nodes and prefetch.anchor not in needed, prefetch
+            hoisted += 1
+    assert hoisted, passes.plans
