@@ -22,7 +22,7 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
-def test_train_on_two_ranks_from_a_text_file_plots_the_loss_without_warnings(tmp_path):
+def test_train_on_two_ranks_from_a_text_file_announces_compilation_and_plots_the_loss_without_warnings(tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     result = run_cli(
@@ -33,6 +33,9 @@ def test_train_on_two_ranks_from_a_text_file_plots_the_loss_without_warnings(tmp
     assert "on 2 rank(s), mode fully_shard" in result.stdout
     steps = re.findall(r"^step +(\d+)/3 +loss (\d+\.\d+) +[\d,]+ tok/s", result.stdout, flags=re.M)
     assert [int(step) for step, _ in steps] == [1, 2, 3]
+    # compilation is announced before the first step and timed after it
+    assert re.search(r"^compiling the forward and backward graphs in the first step \.\.\.\ncompiled in \d+\.\d s\n"
+                     r"step +1/3 ", result.stdout, flags=re.M), result.stdout
     assert re.search(r"^summary: loss \d+\.\d+ -> \d+\.\d+ over steps 1-3;", result.stdout, flags=re.M)
     assert f"wrote {tmp_path / 'loss.png'}" in result.stdout
     assert png_size(tmp_path / "loss.png") == (800, 450)

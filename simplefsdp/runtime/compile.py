@@ -84,3 +84,9 @@ def _warn_on_graph_breaks(compiled: Callable, name: str) -> Callable:
         return result
 
     return call
+
+
+def graph_cache_hits() -> tuple[int, int]:
+    """(hits, lookups) of Inductor's FX graph cache in this process so far."""
+    stats = counters["inductor"]
+    return stats["fxgraph_cache_hit"], stats["fxgraph_cache_hit"] + stats["fxgraph_cache_miss"]
