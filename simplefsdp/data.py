@@ -30,17 +30,12 @@ def load_tokens(path: str | None, seed: int = 0) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
-def global_batch(tokens: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
-    """``batch_size`` windows of ``seq_len + 1`` tokens at offsets fixed by ``(seed, step)``."""
+def rank_batch(tokens: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int, rank: int,
+               world: int) -> torch.Tensor:
+    """This rank's ``batch_size`` rows of the step's ``batch_size * world`` windows of ``seq_len + 1`` tokens at
+    offsets fixed by ``(seed, step)``."""
     if len(tokens) <= seq_len + 1:
         raise ValueError(f"the data holds {len(tokens)} tokens; --seq-len {seq_len} needs more than {seq_len + 1}")
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, len(tokens) - seq_len - 1, (batch_size,), generator=generator)
-    return torch.stack([tokens[start : start + seq_len + 1] for start in starts.tolist()])
-
-
-def rank_batch(
-    tokens: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int, rank: int, world: int
-) -> torch.Tensor:
-    """This rank's ``batch_size`` rows of the step's global batch of ``batch_size * world`` windows."""
-    return global_batch(tokens, step, batch_size * world, seq_len, seed).chunk(world)[rank]
+    starts = torch.randint(0, len(tokens) - seq_len - 1, (batch_size * world,), generator=generator)
+    return torch.stack([tokens[start : start + seq_len + 1] for start in starts.tolist()]).chunk(world)[rank]

@@ -1,7 +1,6 @@
-"""PNG charts drawn with matplotlib on its non-interactive Agg canvas: bench bars, training loss, predicted timeline.
+"""PNG charts with matplotlib (the optional ``plot`` extra): bench bars, training loss, predicted timeline.
 
-matplotlib is the optional ``plot`` extra (``pip install 'simplefsdp[plot]'``); ``missing()`` says whether
-it is installed. No pyplot: each chart is its own ``Figure``, so nothing global changes in the caller's session.
+No pyplot: each chart is its own ``Figure`` on the Agg canvas, so nothing global changes in the caller's session.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ INSTALL = "pip install 'simplefsdp[plot]'"
 
 
 def missing() -> str | None:
-    """Why charts cannot be drawn here (matplotlib is not installed, and how to install it), or None when they can."""
+    """Why charts cannot be drawn here (matplotlib missing, and how to install it), or None when they can."""
     return None if importlib.util.find_spec("matplotlib") else f"matplotlib is not installed; {INSTALL}"
 
 
@@ -65,9 +64,8 @@ def loss_chart(path: str | Path, title: str, steps: list[int], losses: list[floa
     return _save(figure, path)
 
 
-def timeline_chart(
-    path: str | Path, title: str, schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile
-) -> Path:
+def timeline_chart(path: str | Path, title: str, schedules: list[Schedule], prediction: Prediction,
+                   hardware: HardwareProfile) -> Path:
     """The predicted step as the SVG timeline draws it: compute and communication lanes over the memory curve."""
     figure, (lanes, memory) = _figure(12, 5, rows=2, sharex=True, height_ratios=(1, 2))
     figure.suptitle(f"{title}\nstep {format_seconds(prediction.step_time)}, exposed communication "

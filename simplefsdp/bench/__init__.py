@@ -1,18 +1,8 @@
 """``simplefsdp bench``: simplefsdp side by side with eager FSDP2, FSDP2 + compile, DDP, FSDP1 and a local floor.
 
-One launch of ``--nproc`` ranks runs every contender (``contenders``), so all of them see the
-same processes, the same rendezvous and the same machine load. Each contender builds the model
-from the same seed and trains on the same batches with AdamW, in two passes
-(``measure``):
-
-1. **timing**: ``--warmup`` steps (compilation included; their total is the warm-up time), then
-   ``--steps`` measured steps, interleaved across contenders. A barrier before each step aligns
-   the ranks; a step's time is the slowest rank's.
-2. **profile**: a fresh copy of the model trains two steps under ``torch.profiler``; the second
-   is read for peak memory, collectives and waits (``profiling``).
-
-Rank 0 gathers the results; the launching process prints the table, writes JSON and a chart,
-and fails when simplefsdp's loss differs from FSDP2 eager's (``report``, ``verdicts``).
+One launch of ``--nproc`` ranks runs every contender (``contenders``) on the same processes, seed, batches and load
+(``measure``: warm-up, interleaved timed steps, then a profiled step read by ``profiling``). The launching process
+prints the table, writes JSON and a chart, and fails when simplefsdp's loss differs from FSDP2 eager's (``report``).
 """
 
 from __future__ import annotations

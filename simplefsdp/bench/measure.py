@@ -21,26 +21,18 @@ from simplefsdp.runtime.mesh import device_type, init_distributed
 from simplefsdp.train import next_token_loss
 
 METHODS = {
-    "step_time": (
-        "wall time of forward+backward+optimizer step, slowest rank, median and quartiles over the measured steps, "
-        "which run interleaved across contenders; warm-up: the warm-up steps' total, compilation included "
-        "(Inductor's on-disk caches make a repeated run's compilation faster)"
-    ),
-    "peak_memory": (
-        "CPU: bytes allocated since the contender's fresh copy started being built and not yet freed, summed "
-        "from torch.profiler allocation and free events (profile_memory=True), maximum over the profiled step, "
-        "maximum over ranks; CUDA: torch.cuda.max_memory_allocated over that step"
-    ),
+    "step_time": "wall time of forward+backward+optimizer step, slowest rank, median and quartiles over the measured "
+                 "steps, which run interleaved across contenders; warm-up: the warm-up steps' total, compilation "
+                 "included (Inductor's on-disk caches make a repeated run's compilation faster)",
+    "peak_memory": "CPU: bytes allocated since the contender's fresh copy started being built and not yet freed, "
+                   "summed from torch.profiler allocation and free events (profile_memory=True), maximum over the "
+                   "profiled step, maximum over ranks; CUDA: torch.cuda.max_memory_allocated over that step",
     "collectives": "c10d::* operator events (process-group calls, barriers excluded) in the profiled step",
-    "comm": (
-        "summed duration of the backend's own collective events (e.g. gloo:all_gather, on its worker threads) in "
-        "the profiled step, and its share of that step's duration (the profiler slows the step)"
-    ),
-    "wait": (
-        "summed duration of _c10d_functional::wait_tensor events (compiled graphs); n/a where collectives "
-        "are waited on in Work.wait(), which the profiler does not record (eager FSDP2, FSDP1, DDP); in the "
-        "profiled step, with its share of that step's duration"
-    ),
+    "comm": "summed duration of the backend's own collective events (e.g. gloo:all_gather, on its worker threads) "
+            "in the profiled step, and its share of that step's duration (the profiler slows the step)",
+    "wait": "summed duration of _c10d_functional::wait_tensor events (compiled graphs); n/a where collectives are "
+            "waited on in Work.wait(), which the profiler does not record (eager FSDP2, FSDP1, DDP); in the "
+            "profiled step, with its share of that step's duration",
 }
 
 
@@ -77,11 +69,7 @@ def gather(values: list[float]) -> torch.Tensor:
 
 
 class TimedRun:
-    """One contender's model and optimizer on this rank, with each step's time and loss.
-
-    ``warm_up`` runs the warm-up steps; a compiled contender that compiled no graph of its own
-    (it reused another contender's) raises, since its times would not be its own.
-    """
+    """One contender's model and optimizer on this rank, with each step's time and loss."""
 
     def __init__(self, contender: Contender, args: argparse.Namespace, tokens: torch.Tensor) -> None:
         self.contender, self.args, self.tokens = contender, args, tokens
@@ -97,13 +85,15 @@ class TimedRun:
         self.times.append(time.perf_counter() - start)
 
     def warm_up(self) -> None:
+        """The warm-up steps; raises if a compiled contender compiled nothing (its times would be another's)."""
         from torch._dynamo.utils import counters
 
         graphs = counters["stats"]["unique_graphs"]
         for step in range(1, self.args.warmup + 1):
             self.step(step)
         if self.contender.compiled and counters["stats"]["unique_graphs"] == graphs:
-            raise RuntimeError("Dynamo compiled nothing for it: it reused another contender's graph; run it alone with --only")
+            raise RuntimeError("Dynamo compiled nothing for it: it reused another contender's graph; "
+                               "run it alone with --only")
 
     def results(self) -> dict:
         """Warm-up time and step-time statistics over ranks (slowest rank per step), losses per step."""
@@ -124,10 +114,7 @@ class TimedRun:
 
 
 def profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.Tensor) -> dict:
-    """A fresh copy of the contender trains two steps under torch.profiler (memory events on); the second is read.
-
-    The profiler slows that step, so it is not timed. Peak memory is the maximum over ranks.
-    """
+    """A fresh copy trains two steps under torch.profiler (memory events on); the second, untimed, is read."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     gc.collect()
@@ -157,10 +144,8 @@ def _failed(row: dict, error: Exception) -> None:
 def measure(args: argparse.Namespace) -> dict | None:
     """Run every selected contender on this rank; rank 0 returns the results, the others None.
 
-    Each contender is built and warmed up in turn; then the measured steps are interleaved
-    (step s of every contender, in an order rotated each step) so that drift in the machine's
-    load falls on all of them alike; last, each contender's profile pass. A contender that
-    raises becomes a row with the reason (the same error on every rank).
+    Warm-ups run in turn; the measured steps interleave (in an order rotated each step) so that drift in the machine's
+    load falls on all contenders alike; the profile passes come last. A contender that raises becomes a failed row.
     """
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -46,9 +46,8 @@ def read_profile(prof, backend: str) -> dict:
 def allocation_delta(live: dict[int, int], ptr: int, size: int) -> int:
     """Bytes a profiler allocation event adds to what this profile allocated and still holds.
 
-    Frees of blocks allocated before the profile started count nothing. (The event's own
-    ``total_allocated`` is not used: the CPU allocator keeps sizes of blocks allocated during
-    an earlier profile and freed between profiles, so its total drifts from one profile to the next.)
+    Frees of blocks allocated before the profile count nothing. (Not the event's ``total_allocated``: it drifts
+    between profiles, as the CPU allocator keeps sizes of blocks an earlier profile allocated.)
     """
     if size > 0:
         live[ptr] = size

@@ -67,8 +67,7 @@ def write_chart(results: dict, path: str | Path) -> Path:
 def report(results: dict, json_path: str | None, plot_path: str | None) -> int:
     """Print the table, notes and verdicts; write the JSON and the chart; 1 when loss parity fails, else 0.
 
-    ``plot_path`` None: the chart goes to ``runs/bench.png``, or is skipped with a line saying why
-    when matplotlib is not installed.
+    ``plot_path`` None: the chart goes to ``runs/bench.png``, or is skipped in one line without matplotlib.
     """
     parity_ok, parity = check_parity(results)
     print(f"\n{_workload(results)}, {results['steps']} measured steps after {results['warmup']} warm-up, "

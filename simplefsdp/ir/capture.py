@@ -1,18 +1,9 @@
-"""Capturing the forward and backward graphs that ``torch.compile`` hands to Inductor.
+"""Capturing the forward and backward graphs that ``torch.compile`` hands to Inductor, run as plain FX.
 
-``capture_graphs`` compiles the model with a backend that runs Dynamo, then
-AOTAutograd with Inductor's decomposition table and Inductor's min-cut
-partitioner (the same joint-graph split, selective-checkpoint tags and saved
-tensors as an Inductor compile), records the forward and backward graphs, and
-runs them as plain FX instead of generating code. Inductor's own post-grad
-pattern passes (pointwise fusion, reinplacing) are not run, so elementwise ops
-stay separate; collectives, matmuls, attention and their order are as Inductor
-receives them. On meta tensors the run allocates nothing.
-
-Private PyTorch details used here, and only here: AOTAutograd's input
-descriptors (``node.meta["desc"]``) to name parameter placeholders, its
-``_boxed_call`` marker for callables that free their inputs early, and the
-``aten._scaled_dot_product_flash_attention`` op.
+AOTAutograd runs with Inductor's decompositions and min-cut partitioner, so the split, checkpoint tags, saved tensors,
+collectives and their order are an Inductor compile's; Inductor's post-grad pattern passes are not run, so elementwise
+ops stay unfused. On meta tensors nothing is allocated. Private details used only here: AOTAutograd's input
+descriptors (``node.meta["desc"]``), its ``_boxed_call`` marker, and ``aten._scaled_dot_product_flash_attention``.
 """
 
 from __future__ import annotations
@@ -48,22 +39,17 @@ class TraceError(RuntimeError):
 def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: bool = True) -> CapturedGraphs:
     """Compile ``model``, run it once forward and backward on ``example_inputs``, return its graphs.
 
-    With ``fused_attention`` every ``scaled_dot_product_attention`` without a mask
-    is traced as the flash-attention kernel a GPU runs, even on meta tensors (where
-    PyTorch would otherwise pick the unfused math path). Raises ``TraceError`` with
-    one line naming the fix when the forward does not trace as one graph.
+    With ``fused_attention`` an unmasked ``scaled_dot_product_attention`` is traced as the flash kernel a GPU runs,
+    even on meta tensors. Raises ``TraceError`` naming the fix when the forward does not trace as one graph.
     """
     graphs: dict[str, fx.GraphModule] = {}
     dynamo_inputs: list[str | None] = []
     names = {id(param): name for name, param in model.named_parameters()}
 
-    def record_graph(phase: str, gm: fx.GraphModule) -> None:
-        graphs[phase] = gm
-
     def record_inputs(inputs: list) -> None:
         dynamo_inputs[:] = [names.get(id(value)) for value in inputs]
 
-    backend = fx_backend(record_graph, record_inputs, fused_attention=fused_attention)
+    backend = fx_backend(graphs.__setitem__, record_inputs, fused_attention=fused_attention)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     # Each capture is a new model object, so Dynamo compiles its forward's code again: lift the per-code limit
     # (8) to the process-wide one, or the ninth capture of one model class in a process would fail.
@@ -88,30 +74,22 @@ def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: 
     return CapturedGraphs(forward, graphs["backward"], _parameter_placeholders(forward, dynamo_inputs))
 
 
-def fx_backend(
-    on_graph: Callable[[str, fx.GraphModule], None] | None = None,
-    on_inputs: Callable[[list], None] | None = None,
-    *,
-    fused_attention: bool = False,
-) -> Callable:
+def fx_backend(on_graph: Callable[[str, fx.GraphModule], None] | None = None,
+               on_inputs: Callable[[list], None] | None = None, *, fused_attention: bool = False) -> Callable:
     """A ``torch.compile`` backend: AOTAutograd split as Inductor does it, graphs run as plain FX.
 
-    ``on_graph(phase, gm)`` sees the forward and the backward graph, ``on_inputs``
-    Dynamo's example inputs. Used bare, it runs exactly the graphs ``inspect``
-    prices, which is how the cpu calibration measures them.
+    ``on_graph(phase, gm)`` sees the forward and the backward graph, ``on_inputs`` Dynamo's example inputs. Used
+    bare, it runs exactly the graphs ``inspect`` prices (how the cpu calibration measures them).
     """
 
-    def record(phase: str):
-        def compile_graph(gm: fx.GraphModule, _inputs) -> Callable:
-            if on_graph is not None:
-                on_graph(phase, gm)
-            return run_boxed(gm)
-
-        return compile_graph
+    def compile_graph(phase: str, gm: fx.GraphModule, _inputs) -> Callable:
+        if on_graph is not None:
+            on_graph(phase, gm)
+        return run_boxed(gm)
 
     aot_backend = aot_autograd(
-        fw_compiler=record("forward"),
-        bw_compiler=record("backward"),
+        fw_compiler=functools.partial(compile_graph, "forward"),
+        bw_compiler=functools.partial(compile_graph, "backward"),
         partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
         decompositions=select_decomp_table(),
     )
@@ -127,12 +105,9 @@ def fx_backend(
 
 
 def run_boxed(gm: fx.GraphModule) -> Callable[[list], object]:
-    """Run ``gm`` by ``fx.Interpreter`` with the boxed calling convention.
+    """Run ``gm`` by ``fx.Interpreter`` with the boxed calling convention, freeing tensors as early as Inductor does.
 
-    The interpreter clears the argument list and drops every value after its
-    last use, so tensors are freed as early as in Inductor's generated code. A
-    fresh interpreter per call: one keeps the values of its last run (here the
-    forward's saved tensors) until it runs again.
+    A fresh interpreter per call: one keeps the values of its last run (the forward's saved tensors) until the next.
     """
 
     def run(args: list) -> object:
@@ -166,10 +141,8 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 
 def _use_fused_attention(gm: fx.GraphModule) -> None:
     """Point every attention call of Dynamo's graph at ``_fused_attention``."""
-    changed = False
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _SDPA_TARGETS:
-            node.target = _fused_attention
-            changed = True
-    if changed:
+    attention = [node for node in gm.graph.nodes if node.op == "call_function" and node.target in _SDPA_TARGETS]
+    for node in attention:
+        node.target = _fused_attention
+    if attention:
         gm.recompile()

@@ -14,11 +14,9 @@ _WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 
 def parse_module_path(path: str) -> str:
-    """Turn a Dynamo module path into a plain FQN: ``L['fn'].layers.0.attn`` → ``layers.0.attn``.
+    """Turn a Dynamo or export module path into a plain FQN: ``L['fn'].layers.0.attn`` → ``layers.0.attn``.
 
-    Accepts the forms Dynamo and export write (``L['self']``, ``L['fn']``,
-    ``._modules['x']``, ``['x']``, ``self.x``) and drops wrapper names such as
-    ``_orig_mod`` and ``_checkpoint_wrapped_module``. The root alone gives ``""``.
+    Wrapper names such as ``_orig_mod`` are dropped; the root alone gives ``""``.
     """
     rest = _ROOT.sub("", path.strip())
     rest = _SUBSCRIPT.sub(lambda match: "." + match.group(2), rest)
@@ -27,11 +25,8 @@ def parse_module_path(path: str) -> str:
 
 
 def node_fqn(node: fx.Node) -> str:
-    """The FQN of the innermost module that produced ``node``, or ``""`` for top-level code.
-
-    Backward nodes carry the forward module stack as ``fwd_nn_module_stack``.
-    """
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    """The FQN of the innermost module that produced ``node``, or ``""`` for top-level code."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")  # backward nodes: the forward's
     if not stack:
         return ""
     path, _module_type = list(stack.values())[-1]

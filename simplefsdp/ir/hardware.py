@@ -1,10 +1,8 @@
 """Hardware profiles: plain numbers the cost model prices a schedule with.
 
-A profile is data. ``h100`` and ``a100`` are datasheet figures with the
-efficiency NCCL and cuBLAS reach in practice; ``cpu`` is measured on the machine
-it runs on (a short matmul, copy and gloo benchmark) and cached under
-``~/.cache/simplefsdp/``. Write your own cluster as ``HardwareProfile(...)`` or as
-a JSON file with the same fields and pass its path.
+``h100`` and ``a100`` are datasheet figures at the efficiency NCCL and cuBLAS reach in practice; ``cpu`` is measured
+on this machine and cached under ``~/.cache/simplefsdp/``. Describe your own cluster as ``HardwareProfile(...)`` or
+as a JSON file with the same fields and pass its path.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import os
 import platform
 import statistics
 import tempfile
-import time
+import timeit
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,16 +23,12 @@ import torch
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """What one accelerator and its links sustain. Bandwidths in bytes/s, latencies in seconds.
+    """What one accelerator and its links sustain; bandwidths in bytes/s, latencies and overheads in seconds.
 
-    ``flops_per_s`` maps a dtype name (``"bfloat16"``, ``"float32"``) to the dense
-    matmul rate actually reached; ``peak_flops_per_s`` to the data-sheet peak
-    (the denominator of MFU), empty for a measured profile. ``intra_node_bandwidth`` is the NCCL bus bandwidth
-    between accelerators of one node, ``inter_node_bandwidth`` that of one
-    accelerator's network link. ``kernel_overhead`` is the fixed cost of launching
-    one kernel; ``dispatch_overhead`` the host's cost of every graph node, views
-    included (0 where the host runs ahead of the device, as on GPUs);
-    ``collective_latency`` the cost of starting one collective.
+    ``flops_per_s`` maps a dtype name (``"bfloat16"``) to the dense matmul rate reached, ``peak_flops_per_s`` to the
+    data-sheet peak (MFU's denominator; empty for a measured profile). ``intra_node_bandwidth`` is the NCCL bus
+    bandwidth within a node, ``inter_node_bandwidth`` that of one accelerator's network link. ``dispatch_overhead``
+    is the host's cost of every graph node, views included (0 where the host runs ahead, as on GPUs).
     """
 
     name: str
@@ -53,61 +47,42 @@ class HardwareProfile:
 
     def matmul_rate(self, dtype: torch.dtype) -> float:
         """FLOP/s for ``dtype``; dtypes without an entry run at the ``float32`` rate."""
-        name = str(dtype).removeprefix("torch.")
-        return self.flops_per_s.get(name, self.flops_per_s["float32"])
+        return self.flops_per_s.get(str(dtype).removeprefix("torch."), self.flops_per_s["float32"])
 
     def peak_rate(self, dtype: torch.dtype) -> float:
         """Data-sheet peak FLOP/s for ``dtype``; a measured profile's peak is its measured ``matmul_rate``."""
-        name = str(dtype).removeprefix("torch.")
-        if not self.peak_flops_per_s:
-            return self.matmul_rate(dtype)
-        return self.peak_flops_per_s.get(name, self.peak_flops_per_s["float32"])
+        peaks = self.peak_flops_per_s or self.flops_per_s
+        return peaks.get(str(dtype).removeprefix("torch."), peaks["float32"])
 
     def to_json(self) -> str:
         """The profile as JSON, readable back by ``load_profile``."""
         return json.dumps(dataclasses.asdict(self), indent=2)
 
 
-# NVIDIA H100 SXM5 80GB: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no TF32), 3.35 TB/s HBM3
-# (datasheet); ~75% of matmul peak and ~80% of HBM bandwidth are what large kernels reach.
+def _datasheet_gpu(name: str, peak: dict[str, float], hbm: float, nvlink: float, nic: float, intra_node_latency: float,
+                   inter_node_latency: float, collective_latency: float, kernel_overhead: float) -> HardwareProfile:
+    """A GPU of an 8-GPU, 80 GiB node; large kernels reach ~75% of matmul peak and ~80% of HBM bandwidth."""
+    return HardwareProfile(
+        name=name, flops_per_s={dtype: 0.75 * rate for dtype, rate in peak.items()}, peak_flops_per_s=peak,
+        memory_bandwidth=0.8 * hbm, intra_node_bandwidth=nvlink, inter_node_bandwidth=nic,
+        intra_node_latency=intra_node_latency, inter_node_latency=inter_node_latency,
+        collective_latency=collective_latency, kernel_overhead=kernel_overhead, dispatch_overhead=0.0,
+        devices_per_node=8, memory_capacity=80 * 2**30,
+    )
+
+
+# NVIDIA H100 SXM5 80GB: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no TF32), 3.35 TB/s HBM3 (datasheet).
 # NVLink 4 is 450 GB/s per direction; NCCL's effective bus bandwidth over it is ~370 GB/s
 # (NVIDIA, github.com/NVIDIA/nccl-tests/issues/212). One 400 Gb/s NDR NIC per GPU gives
 # 46-48 GB/s through NCCL (NVIDIA, github.com/NVIDIA/nccl-tests/issues/290).
-_H100_PEAK = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}
-H100 = HardwareProfile(
-    name="h100",
-    flops_per_s={dtype: 0.75 * peak for dtype, peak in _H100_PEAK.items()},
-    peak_flops_per_s=_H100_PEAK,
-    memory_bandwidth=0.8 * 3.35e12,
-    intra_node_bandwidth=370e9,
-    inter_node_bandwidth=47e9,
-    intra_node_latency=1e-6,
-    inter_node_latency=4e-6,
-    collective_latency=10e-6,
-    kernel_overhead=2e-6,
-    dispatch_overhead=0.0,
-    devices_per_node=8,
-    memory_capacity=80 * 2**30,
-)
-
+H100 = _datasheet_gpu("h100", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, hbm=3.35e12, nvlink=370e9,
+                      nic=47e9, intra_node_latency=1e-6, inter_node_latency=4e-6, collective_latency=10e-6,
+                      kernel_overhead=2e-6)
 # NVIDIA A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 TFLOP/s fp32, 2.04 TB/s HBM2e; NVLink 3
 # at 300 GB/s per direction (~230 GB/s NCCL bus bandwidth), one 200 Gb/s HDR NIC per GPU.
-_A100_PEAK = {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}
-A100 = HardwareProfile(
-    name="a100",
-    flops_per_s={dtype: 0.75 * peak for dtype, peak in _A100_PEAK.items()},
-    peak_flops_per_s=_A100_PEAK,
-    memory_bandwidth=0.8 * 2.04e12,
-    intra_node_bandwidth=230e9,
-    inter_node_bandwidth=23e9,
-    intra_node_latency=1.5e-6,
-    inter_node_latency=5e-6,
-    collective_latency=12e-6,
-    kernel_overhead=3e-6,
-    dispatch_overhead=0.0,
-    devices_per_node=8,
-    memory_capacity=80 * 2**30,
-)
+A100 = _datasheet_gpu("a100", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}, hbm=2.04e12, nvlink=230e9,
+                      nic=23e9, intra_node_latency=1.5e-6, inter_node_latency=5e-6, collective_latency=12e-6,
+                      kernel_overhead=3e-6)
 
 BUILT_IN = {"h100": H100, "a100": A100}
 PROFILE_NAMES = (*BUILT_IN, "cpu")
@@ -115,10 +90,7 @@ CACHE_DIR = Path(os.environ.get("SIMPLEFSDP_CACHE", Path.home() / ".cache" / "si
 
 
 def get_profile(hardware: str | HardwareProfile) -> HardwareProfile:
-    """A profile by name (``h100``, ``a100``, ``cpu``), from a JSON file path, or ``hardware`` itself.
-
-    An unknown name raises ``ValueError`` naming the known ones.
-    """
+    """A profile by name (``h100``, ``a100``, ``cpu``), from a JSON file path, or ``hardware`` itself."""
     if isinstance(hardware, HardwareProfile):
         return hardware
     if hardware in BUILT_IN:
@@ -133,15 +105,14 @@ def get_profile(hardware: str | HardwareProfile) -> HardwareProfile:
     )
 
 
-def local_profile(device_type: str) -> HardwareProfile:
-    """The profile of the device this process computes on: ``cpu`` (measured), or the GPU's by name.
+def gpu_profile(device_name: str) -> HardwareProfile | None:
+    """The built-in profile of the GPU named ``device_name`` (an H200 computes like an H100), or None."""
+    return next((profile for key, profile in {**BUILT_IN, "h200": H100}.items() if key in device_name.lower()), None)
 
-    A GPU none of the built-in profiles names is priced as ``h100``.
-    """
-    if device_type == "cpu":
-        return cpu_profile()
-    name = torch.cuda.get_device_name().lower()
-    return next((profile for key, profile in BUILT_IN.items() if key in name), H100)
+
+def local_profile(device_type: str) -> HardwareProfile:
+    """The profile of the device this process computes on: ``cpu`` (measured), or the GPU's (``h100`` if unknown)."""
+    return cpu_profile() if device_type == "cpu" else gpu_profile(torch.cuda.get_device_name()) or H100
 
 
 def load_profile(path: Path) -> HardwareProfile:
@@ -150,10 +121,9 @@ def load_profile(path: Path) -> HardwareProfile:
 
 
 def cpu_profile(refresh: bool = False) -> HardwareProfile:
-    """The ``cpu`` profile of this machine: cached, else measured now (about ten seconds) and cached.
+    """The ``cpu`` profile of this machine: cached (per host, core count and torch version), else measured and cached.
 
-    The cache is keyed by host, core count and torch version; ``refresh`` measures again, as does a
-    cache file this version cannot read.
+    ``refresh`` measures again, as does a cache file this version cannot read. Measuring takes about ten seconds.
     """
     key = f"{platform.node()}-{os.cpu_count()}cores-torch{torch.__version__}".replace(os.sep, "_")
     path = CACHE_DIR / f"cpu-{key}.json"
@@ -175,10 +145,7 @@ def cpu_profile(refresh: bool = False) -> HardwareProfile:
 
 
 def measure_cpu_profile() -> HardwareProfile:
-    """Measure this CPU as a 2-rank gloo job uses it: two local processes, each with half the cores.
-
-    See ``measure_cpu_profile_in_group`` for what is measured.
-    """
+    """Measure this CPU as a 2-rank gloo job uses it: two local processes, each with half the cores."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
@@ -189,26 +156,17 @@ def measure_cpu_profile() -> HardwareProfile:
 def measure_cpu_profile_in_group() -> HardwareProfile:
     """The ``cpu`` profile measured by this rank of a running gloo group; every rank must call it.
 
-    Matmul FLOP/s per dtype, copy bandwidth and per-node overhead with this
-    process's thread count, then the latency and bandwidth of all-gathers
-    between the group's ranks (alpha-beta fit of a small and a large message).
+    Matmul FLOP/s per dtype, copy bandwidth and per-node overhead with this process's threads, then the alpha-beta
+    fit of all-gathers between the group's ranks.
     """
-    rates = {name: _matmul_rate(dtype) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    rates = {name: _matmul_rate(getattr(torch, name)) for name in ("float32", "bfloat16")}
     bandwidth, dispatch = _copy_bandwidth(), _dispatch_overhead()
     latency, gloo_bandwidth = _gloo_alpha_beta()
     return HardwareProfile(
-        name="cpu",
-        flops_per_s=rates,
-        memory_bandwidth=bandwidth,
-        intra_node_bandwidth=gloo_bandwidth,
-        inter_node_bandwidth=gloo_bandwidth,
-        intra_node_latency=0.0,
-        inter_node_latency=0.0,
-        collective_latency=latency,
-        kernel_overhead=0.0,
-        dispatch_overhead=dispatch,
-        devices_per_node=os.cpu_count() or 1,
-        memory_capacity=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        name="cpu", flops_per_s=rates, memory_bandwidth=bandwidth, intra_node_bandwidth=gloo_bandwidth,
+        inter_node_bandwidth=gloo_bandwidth, intra_node_latency=0.0, inter_node_latency=0.0,
+        collective_latency=latency, kernel_overhead=0.0, dispatch_overhead=dispatch,
+        devices_per_node=os.cpu_count() or 1, memory_capacity=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
     )
 
 
@@ -220,8 +178,7 @@ def measuring_threads() -> int:
 def _measuring_rank(rank: int, folder: str) -> None:
     import torch.distributed as dist
 
-    store = dist.FileStore(os.path.join(folder, "store"), 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 2), rank=rank, world_size=2)
     torch.set_num_threads(measuring_threads())
     profile = measure_cpu_profile_in_group()
     if rank == 0:
@@ -230,13 +187,8 @@ def _measuring_rank(rank: int, folder: str) -> None:
 
 
 def _median_seconds(fn, repeats: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    fn()  # warm-up
+    return statistics.median(timeit.repeat(fn, number=1, repeat=repeats))
 
 
 def _matmul_rate(dtype: torch.dtype) -> float:
@@ -249,8 +201,8 @@ def _matmul_rate(dtype: torch.dtype) -> float:
     return statistics.median(rates)
 
 
-def _copy_bandwidth(numel: int = 1 << 23) -> float:
-    source, target = torch.randn(numel), torch.empty(numel)
+def _copy_bandwidth() -> float:
+    source, target = torch.randn(1 << 23), torch.empty(1 << 23)
     return 2 * source.nbytes / _median_seconds(lambda: target.copy_(source))
 
 
@@ -268,7 +220,7 @@ def _dispatch_overhead() -> float:
 
     gm = fx.symbolic_trace(_tiny_ops)
     run = run_boxed(gm)
-    nodes = sum(1 for node in gm.graph.nodes if node.op == "call_function" or node.op == "call_method")
+    nodes = sum(1 for node in gm.graph.nodes if node.op in ("call_function", "call_method"))
     return _median_seconds(lambda: run([torch.ones(8)])) / nodes
 
 
@@ -278,9 +230,8 @@ _GLOO_SIZES = (1 << 12, 1 << 22)  # bytes per all-gather output
 def _gloo_alpha_beta() -> tuple[float, float]:
     """(latency s, bus bandwidth B/s) of all-gathers in the default group, fitted to a small and a large message.
 
-    Each all-gather follows a short matmul, as in a training step, so the latency
-    includes the ranks drifting apart between collectives; the matmul's own time
-    is measured alone and subtracted.
+    Each all-gather follows a short matmul, as in a training step, so the latency includes the ranks drifting apart
+    between collectives; the matmul's own time is measured alone and subtracted.
     """
     import torch.distributed as dist
 

@@ -49,9 +49,7 @@ def collective_rows(schedules: list[Schedule], prediction: Prediction, hardware:
     return rows
 
 
-def _bucket_names(
-    schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile
-) -> dict[tuple[str, str], str]:
+def _bucket_names(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> dict[tuple, str]:
     return {(row["phase"], row["name"]): row["bucket"] for row in collective_rows(schedules, prediction, hardware)}
 
 
@@ -122,23 +120,17 @@ def svg_timeline(title: str, schedules: list[Schedule], prediction: Prediction, 
             f'<rect x="{x:.2f}" y="{y}" width="{span_width:.2f}" height="{lane - 4}" fill="{colour}">'
             f'<title>{escape(span.name)} {escape(span.fqn)} {format_seconds(span.end - span.start)}</title></rect>'
         )
-    parts.extend(_memory_curve(prediction, left, width - 20, scale, top=top + 2 * lane + 30, height=150))
-    parts.append("</svg>")
-    return "\n".join(parts) + "\n"
-
-
-def _memory_curve(prediction: Prediction, left: int, right: int, scale: float, top: int, height: int) -> list[str]:
-    curve, peak = prediction.memory.curve, max(prediction.memory.peak_bytes, 1)
-    points = " ".join(
-        f"{left + time * scale:.2f},{top + height - live / peak * height:.2f}"
-        for time, live in zip(prediction.node_end_times, curve)
-    )
-    return [
-        f'<text x="10" y="{top + 12}">memory</text>',
-        f'<text x="10" y="{top + 28}">peak {format_bytes(prediction.memory.peak_bytes)}</text>',
-        f'<line x1="{left}" y1="{top + height}" x2="{right}" y2="{top + height}" stroke="#999"/>',
+    memory_top, height, peak = top + 2 * lane + 30, 150, max(prediction.memory.peak_bytes, 1)
+    points = " ".join(f"{left + time * scale:.2f},{memory_top + height - live / peak * height:.2f}"
+                      for time, live in zip(prediction.node_end_times, prediction.memory.curve))
+    parts += [
+        f'<text x="10" y="{memory_top + 12}">memory</text>',
+        f'<text x="10" y="{memory_top + 28}">peak {format_bytes(prediction.memory.peak_bytes)}</text>',
+        f'<line x1="{left}" y1="{memory_top + height}" x2="{width - 20}" y2="{memory_top + height}" stroke="#999"/>',
         f'<polyline fill="none" stroke="#444" stroke-width="1.5" points="{points}"/>',
+        "</svg>",
     ]
+    return "\n".join(parts) + "\n"
 
 
 def chrome_trace(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> str:

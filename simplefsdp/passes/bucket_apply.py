@@ -1,10 +1,8 @@
-"""Bucket apply: rewrite an FX graph so each planned bucket becomes one collective.
+"""Bucket apply: rewrite an FX graph so each planned bucket becomes one collective on a flat buffer.
 
-An all-gather bucket becomes one all-gather into a flat buffer (placed where
-the bucket's first all-gather was) with copy-out views; a reduce-scatter bucket
-one reduce-scatter of a flat buffer (placed after the bucket's last one, when
-all its gradients exist) with copy-in. Every element is reduced with the same
-peers in the same order as before, so numerics are bitwise unchanged.
+An all-gather bucket gathers where its first all-gather was, a reduce-scatter bucket scatters after its last one
+(when all its gradients exist). Every element is reduced with the same peers in the same order: numerics are bitwise
+unchanged.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """The copy-in and copy-out of an all-gather bucket, as two custom ops Inductor calls instead of generating code.
 
-A bucket's flat buffer holds, for each rank ``r``, the shards of its parameters
-one after another (``shards`` of rank ``r`` at ``[r * total, (r + 1) * total)``).
-Generated copy kernels would read each parameter at its own offset in that
-buffer, so no two blocks' kernels would be alike and Inductor, which compiles
-each distinct kernel once, would compile a few per parameter; as opaque ops the
-copies cost no compilation at all. Both ops copy, never alias their inputs.
+A bucket's flat buffer holds rank ``r``'s shards at ``[r * total, (r + 1) * total)``. Generated copy kernels would
+read each parameter at its own offset, so no two blocks' kernels would be alike and Inductor would compile a few per
+parameter; opaque ops cost no compilation. Both ops copy, never alias their inputs.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -32,10 +31,7 @@ def _(shards: list[torch.Tensor], group_size: int, rank: int, dtype: torch.dtype
 @torch.library.custom_op("simplefsdp::all_gather_copy_out", mutates_args=())
 def all_gather_copy_out(gathered: torch.Tensor, group_size: int, numels: list[int], ndims: list[int],
                         sizes: list[int]) -> list[torch.Tensor]:
-    """Each parameter of the gathered buffer (``numels`` elements per rank) as a new tensor.
-
-    Parameter ``i`` has ``ndims[i]`` dimensions, listed one parameter after another in ``sizes``.
-    """
+    """Each parameter (``numels[i]`` elements per rank; its ``ndims[i]`` sizes next in ``sizes``) as a new tensor."""
     parts = gathered.view(group_size, -1).split(numels, dim=1)
     outputs = [gathered.new_empty(shape) for shape in _shapes(ndims, sizes)]
     for output, part in zip(outputs, parts):
@@ -50,16 +46,12 @@ def _(gathered: torch.Tensor, group_size: int, numels: list[int], ndims: list[in
 
 
 def _shapes(ndims: list[int], sizes: list[int]) -> list[list[int]]:
-    ends = [sum(ndims[:index + 1]) for index in range(len(ndims))]
-    return [sizes[end - ndim:end] for ndim, end in zip(ndims, ends)]
+    return [sizes[end - ndim:end] for ndim, end in zip(ndims, itertools.accumulate(ndims))]
 
 
 def all_gather_bucket(shards: list[torch.Tensor], group_name: str, group_size: int, rank: int,
                       dtype: torch.dtype) -> list[torch.Tensor]:
-    """All-gather ``shards`` as one collective: copy in, gather into the flat buffer, wait, copy out.
-
-    Traced into the graph in place of the bucket's all-gathers (``inductor_internals.merge_all_gathers``).
-    """
+    """All-gather ``shards`` as one collective (copy in, gather, wait, copy out); traced in by ``merge_all_gathers``."""
     buffer = torch.ops.simplefsdp.all_gather_copy_in(shards, group_size, rank, dtype)
     total = sum(shard.numel() for shard in shards)
     local = buffer.narrow(0, total * rank, total)

@@ -1,25 +1,11 @@
-"""Bucket planning: which collectives of one graph are merged into one.
+"""Bucket planning: which collectives of one graph (a ``Schedule``) are merged into one, as plain data.
 
-A plan is a pure function of a ``Schedule`` (see ``simplefsdp.ir.schedule``)
-and a bucket mode, returned as plain data. Each bucket lists the collectives it
-merges and the FQNs of the modules whose parameters they carry (forward and
-recomputed all-gathers, and backward reduce-scatters, are planned separately,
-one graph at a time). A bucket never mixes collective kinds, process groups or
-dtypes: collectives that share a bucket name but differ in any of these form
-separate buckets under that name.
-
-Modes:
-
-- ``None``: no bucketing (an empty plan).
-- ``"block"``: one bucket per repeated child block, i.e. per module FQN prefix
-  ending in a list index such as ``layers.0``; the other collectives form a
-  ``head`` bucket (modules that run before the blocks in the forward: the
-  embedding) and a ``tail`` bucket (after them: final norm and output). The
-  backward runs the model in reverse, so there the tail comes first.
-- a list of lists of module FQN prefixes (a manual plan): bucket ``i`` takes
-  every collective owned by a module under one of the prefixes of list ``i``;
-  collectives under no prefix stay unbucketed.
-- ``"auto"``: see ``simplefsdp.passes.auto_buckets``.
+A bucket never mixes collective kinds, process groups or dtypes: collectives that share a bucket name but differ in
+any of these form separate buckets under that name. Modes: ``None`` (no bucketing); ``"block"``, one bucket per
+repeated block (an FQN prefix ending in a list index, ``layers.0``) plus a ``head`` (before the blocks in the
+forward: the embedding) and a ``tail`` (after them: final norm and output; first in the backward); a manual plan,
+a list of lists of module FQN prefixes, where bucket ``i`` takes every collective under a prefix of list ``i`` and
+the rest stay unbucketed; ``"auto"``, see ``simplefsdp.passes.auto_buckets``.
 """
 
 from __future__ import annotations
@@ -31,7 +17,6 @@ from typing import Sequence, Union
 from simplefsdp.ir.schedule import Schedule, ScheduleNode
 
 BUCKETED_KINDS = ("all_gather", "reduce_scatter")
-BLOCK_MODES = (None, "block", "auto")
 BucketMode = Union[None, str, Sequence[Sequence[str]]]
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")

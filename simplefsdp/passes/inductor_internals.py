@@ -1,19 +1,10 @@
 """Every private PyTorch Inductor API the passes use, in one place (tested in tests/test_passes.py).
 
-- ``merge_all_gathers`` / ``merge_reduce_scatters``: Inductor's FX bucketing
-  (``torch._inductor.fx_passes.bucketing``) replaces a list of collectives by
-  one collective on a flat buffer: ``process_collective_bucket`` traces our
-  ``bucket_copies.all_gather_bucket`` in place of all-gathers (folding a cast
-  just before each into the copy-in), and ``merge_reduce_scatter_bucket`` in its
-  ``custom_ops`` mode copies gradients in with one opaque op and out as views.
-  Padding for uneven shards happens before the all-gather and after the
-  reduce-scatter, outside the merged region. The all-gather's copy-in needs
-  this rank's index in the group, found with c10d's private
-  ``_resolve_process_group`` (a group name to its group).
-- ``pin_order``: ``control_dependencies.preserve_node_ordering`` adds
-  dependencies that Inductor's scheduler (``reorder_for_peak_memory`` and
-  friends) must respect.
-- ``topological_sort``: Inductor's stable topological sort of an FX graph.
+Inductor's FX bucketing replaces a list of collectives by one on a flat buffer: ``process_collective_bucket`` traces
+our ``bucket_copies.all_gather_bucket`` in place of all-gathers (folding a cast just before each into the copy-in),
+``merge_reduce_scatter_bucket`` (``custom_ops`` mode) copies gradients in with one opaque op and out as views. Padding
+for uneven shards stays outside the merged region. ``preserve_node_ordering`` adds dependencies Inductor's scheduler
+must respect.
 """
 
 from __future__ import annotations
@@ -30,10 +21,9 @@ from simplefsdp.passes.bucket_copies import all_gather_bucket
 
 
 def merge_all_gathers(graph: fx.Graph, all_gathers: list[fx.Node]) -> None:
-    """Replace ``all_gathers`` (one process group and dtype, each with one wait) by one all-gather placed where
-    the first one was."""
+    """Replace ``all_gathers`` (one group and dtype, each with one wait) by one all-gather where the first one was."""
     _, group_size, group_name = all_gathers[0].args
-    rank = dist.get_rank(_resolve_process_group(group_name))
+    rank = dist.get_rank(_resolve_process_group(group_name))  # c10d's private lookup of a group by its name
     dtype = all_gathers[0].meta["val"].dtype
 
     def trace_args(shards: list[fx.Node]) -> tuple:
@@ -47,9 +37,7 @@ def merge_reduce_scatters(graph: fx.Graph, reduce_scatters: list[fx.Node]) -> No
     merge_reduce_scatter_bucket(graph, reduce_scatters, mode="custom_ops", insert_before=reduce_scatters[-1].next)
 
 
-def topological_sort(graph: fx.Graph) -> None:
-    """Reorder ``graph`` so each node follows its inputs, moving as few nodes as possible."""
-    stable_topological_sort(graph)
+topological_sort = stable_topological_sort  # each node after its inputs, moving as few nodes as possible
 
 
 def pin_order(graph: fx.Graph, after: dict[fx.Node, list[fx.Node]]) -> None:

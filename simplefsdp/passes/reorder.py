@@ -31,10 +31,8 @@ from simplefsdp.passes.inductor_internals import pin_order
 
 @dataclass(frozen=True)
 class Prefetch:
-    """Issue ``collective`` (and the nodes it needs) right after ``after`` (``None``: at the start of the graph).
-
-    ``anchor``, the first compute node it hides behind, must run after it.
-    """
+    """Issue ``collective`` (and the nodes it needs) right after ``after`` (``None``: at the start of the graph);
+    ``anchor``, the first compute node it hides behind, must run after it."""
 
     collective: str
     after: str | None

@@ -1,13 +1,7 @@
 """Activation checkpointing per block: ``full`` recomputes the block in backward, ``selective`` keeps matmul outputs.
 
-``full`` keeps the outputs of ops that draw random numbers (attention has a
-dropout argument, so it counts): recomputing them makes AOTAutograd 2.13 save
-their RNG state after the DTensor mesh it saves, which misaligns its saved
-values and fails at the first step.
-
-Applied by replacing each block's ``forward`` with a checkpointed call of the
-original, so parameter names and ``state_dict`` keys do not change. Composes
-with sharding: the parameter gathers inside a block stay recomputed.
+Each block's ``forward`` becomes a checkpointed call of the original, so parameter names and ``state_dict`` keys do
+not change; the parameter gathers inside a block stay recomputed.
 """
 
 from __future__ import annotations
@@ -39,18 +33,15 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def _save_random_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Full policy: recompute everything except ops that draw random numbers (attention, dropout)."""
+    # Recomputing those makes AOTAutograd 2.13 save their RNG state after the DTensor mesh it saves: misaligned.
     seeded = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
     return CheckpointPolicy.MUST_SAVE if seeded else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def checkpoint_context(policy: Callable[..., CheckpointPolicy]) -> functools.partial:
-    """The checkpoint ``context_fn`` that applies ``policy``, cacheable by AOTAutograd.
-
-    A partial, not a lambda: Dynamo traces selective checkpointing only through a partial. Its
-    ``cache_hash`` (the source of the policy's module) lets AOTAutograd cache the graphs; without one
-    every process traces them again.
-    """
-    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    """The checkpoint ``context_fn`` that applies ``policy``, cacheable by AOTAutograd."""
+    context = functools.partial(create_selective_checkpoint_contexts, policy)  # Dynamo traces only a partial
+    # Without a cache_hash AOTAutograd bypasses its cache, and every process traces the graphs again.
     context.cache_hash = hashlib.sha256(inspect.getsource(sys.modules[policy.__module__]).encode()).hexdigest()
     return context
 

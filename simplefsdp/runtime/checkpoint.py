@@ -1,10 +1,8 @@
 """Sharded checkpoints of model and optimizer with ``torch.distributed.checkpoint`` (DCP).
 
-Each rank writes and reads only its own shards: no parameter is gathered. DCP
-reshards on load, so a checkpoint saved on N ranks loads on any number of ranks.
-A checkpoint is the directory ``<root>/step-<step>``; it is written under a
-temporary name and renamed when complete, so a save killed halfway leaves the
-previous checkpoint the latest complete one.
+Each rank writes and reads only its own shards, and DCP reshards on load (save on N ranks, load on any number).
+``<root>/step-<step>`` is written under a temporary name and renamed when complete, so a save killed halfway leaves
+the previous checkpoint the latest complete one.
 """
 
 from __future__ import annotations
@@ -18,13 +16,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from simplefsdp.runtime.replicate_compute import stored_parameters
 
@@ -47,7 +40,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
-    """Save ``model`` and ``optimizer`` (sharded) with ``step`` as ``<root>/step-<step>``; collective, all ranks call it."""
+    """Save ``model`` and ``optimizer`` (sharded) with ``step`` as ``<root>/step-<step>``; all ranks call it."""
     final = checkpoint_path(root, step)
     partial = final.with_name(f".{final.name}.partial")
     is_writer = dist.get_rank() == 0
@@ -66,14 +59,12 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
 
 def _replace(source: Path, target: Path) -> None:
     """Rename ``source`` to ``target``, replacing an existing ``target`` directory."""
+    stale = target.with_name(f".{target.name}.stale")
+    shutil.rmtree(stale, ignore_errors=True)
     if target.exists():
-        stale = target.with_name(f".{target.name}.stale")
-        shutil.rmtree(stale, ignore_errors=True)
         target.rename(stale)
-        source.rename(target)
-        shutil.rmtree(stale)
-    else:
-        source.rename(target)
+    source.rename(target)
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:

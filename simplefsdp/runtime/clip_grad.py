@@ -13,9 +13,8 @@ from torch.distributed.tensor import DTensor, Shard
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Scale ``model``'s gradients in place so their total ``norm_type``-norm is at most ``max_norm``.
 
-    Same result as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: each rank
-    reduces its local shards, then one all-reduce over the mesh dimensions that shard
-    the gradients combines them. Returns the total norm before clipping (a plain tensor).
+    As ``torch.nn.utils.clip_grad_norm_`` on the unsharded model, with one all-reduce over the sharding mesh
+    dimension; returns the total norm before clipping (a plain tensor).
     """
     norm_type = float(norm_type)
     if norm_type <= 0:
@@ -41,10 +40,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
 
 def _shard_group(grads: list[torch.Tensor]) -> dist.ProcessGroup | None:
-    """The process group over which gradients are sharded, or None if none is sharded.
-
-    Raises ``ValueError`` when gradients live on different meshes or placements.
-    """
+    """The process group over which gradients are sharded, or None; ``ValueError`` if their layouts differ."""
     dtensors = [g for g in grads if isinstance(g, DTensor)]
     layouts = {(g.device_mesh, tuple(g.placements)) for g in dtensors}
     if len(layouts) > 1 or (dtensors and len(dtensors) != len(grads)):

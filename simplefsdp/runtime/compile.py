@@ -1,5 +1,4 @@
-"""Compiling a module in place, keeping Inductor's FX graph cache valid across processes, and telling the
-user once where it graph-breaks."""
+"""Compiling a module in place, with Inductor's FX graph cache valid across processes and graph breaks named once."""
 
 from __future__ import annotations
 
@@ -27,11 +26,10 @@ def check_compile_options(options: dict[str, Any]) -> None:
 
 
 def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any]) -> None:
-    """``module.compile(...)``, keeping the module object and its ``state_dict`` keys.
+    """``module.compile(...)``, keeping the module object and ``state_dict`` keys; the first call names graph breaks.
 
-    Sets the compiled call (``nn.Module._compiled_call_impl``, private) to a compiled frame of ours that calls
-    the module: Dynamo skips frames of ``torch.nn`` code, so ``module.compile()`` compiles nothing of a root
-    ``nn.Sequential`` or ``nn.Linear``. The first call warns once, naming the graph breaks Dynamo recorded.
+    The compiled call (``nn.Module._compiled_call_impl``, private) is a frame of ours, since Dynamo skips frames of
+    ``torch.nn`` code: ``module.compile()`` would compile nothing of a root ``nn.Sequential`` or ``nn.Linear``.
     """
     key_meshes_by_value()
 
@@ -45,10 +43,8 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
 def key_meshes_by_value() -> None:
     """Make Inductor's FX graph cache key a ``DeviceMesh`` graph input by its value (idempotent).
 
-    Sharded parameters bring their mesh into the graphs as inputs. PyTorch 2.13 pickles such an input into
-    the cache key with its ``_hash``, a Python hash of strings that differs in every process
-    (``PYTHONHASHSEED``), so no second process ever hits the cache. The mesh's ``_stable_hash`` (what
-    AOTAutograd's cache uses) covers what defines it: ranks, layout, device type and dimension names.
+    PyTorch 2.13 keys it by ``_hash``, a string hash that differs in every process (``PYTHONHASHSEED``), so no second
+    process would hit the cache; ``_stable_hash`` (AOTAutograd's key) covers ranks, layout, device and dim names.
     """
     FxGraphCachePickler._reduce_fake_script_object = _reduce_mesh_by_value
 
@@ -72,8 +68,7 @@ def _warn_on_graph_breaks(compiled: Callable, name: str) -> Callable:
         before = Counter(counters["graph_break"])
         result = compiled(*args, **kwargs)
         checked = True
-        breaks = Counter(counters["graph_break"]) - before
-        if breaks:
+        if breaks := Counter(counters["graph_break"]) - before:
             reasons = "; ".join(f"{reason.splitlines()[0]} (x{count})" for reason, count in breaks.items())
             warnings.warn(
                 f"{name} graph-breaks {sum(breaks.values())} time(s): {reasons}. Training stays correct "

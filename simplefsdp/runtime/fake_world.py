@@ -10,13 +10,8 @@ import torch.distributed as dist
 
 @contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
-    """Run the body as rank 0 of a fake default process group of ``world_size`` ranks.
-
-    Collectives are accepted and move no data. Raises ``RuntimeError`` when a
-    process group is already running here. Uses PyTorch's ``FakeStore`` from
-    ``torch.testing._internal`` (private; the only way to start the "fake" backend).
-    """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    """Run the body as rank 0 of a fake default process group of ``world_size`` ranks; collectives move no data."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the only way to start "fake"
 
     if dist.is_initialized():
         raise RuntimeError(

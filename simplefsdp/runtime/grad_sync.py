@@ -1,16 +1,10 @@
 """Gradient accumulation without communication (FSDP2's ``set_requires_gradient_sync(False)``).
 
-While sync is off, the getter hands the forward a gathered parameter whose
-gradient does not flow back to the sharded parameter (no reduce-scatter, no
-all-reduce) but into a per-parameter accumulator leaf: autograd sums the full,
-unreduced local gradients there across micro-batches. The next backward with
-sync on adds that sum to its own gradient before the one reduction it issues,
-then drops it. The sync flag and the presence of a pending sum are read during
-tracing, so ``torch.compile`` guards on them and keeps one graph per state.
-
-Known cost: in a micro-batch with sync off, the compiled backward keeps the
-gathered parameters from the forward instead of gathering them again (the
-partitioner does not recompute a gather whose output has no gradient path).
+While sync is off, a gathered parameter's gradient flows not to the sharded parameter (no reduction) but into a
+per-parameter accumulator leaf, where autograd sums the unreduced local gradients across micro-batches; the next
+backward with sync on adds that sum before its one reduction, then drops it. ``torch.compile`` guards on the flag and
+on a pending sum: one graph per state. Known cost: with sync off the compiled backward keeps the forward's gathered
+parameters (the partitioner does not recompute a gather whose output has no gradient path).
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ class GradientSync:
 
 
 def new_accumulator(param: torch.Tensor, device: str) -> torch.Tensor:
-    """A leaf of ``param``'s full (unsharded) shape on ``device`` that takes no memory; its ``.grad`` is the pending sum."""
+    """A memory-free leaf of ``param``'s full shape on ``device``; its ``.grad`` is the pending sum."""
     return torch.zeros((), dtype=param.dtype, device=device).expand(param.shape).requires_grad_()
 
 
@@ -79,10 +73,8 @@ def add_pending(full: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
 def register_pending_drops(model: nn.Module, sync: GradientSync) -> None:
     """Clear each accumulator's pending sum once a backward with sync on has accumulated its parameter's gradient.
 
-    Registered when sync is first turned off, not at sharding time, so that it
-    applies to the parameters as they are then (``to_empty`` replaces their tensors).
-    The hooks also fire in backwards with sync off (a compiled backward runs every
-    parameter's accumulation, with no gradient), where they must keep the sum.
+    Registered when sync is first turned off, so on the parameters as they are then (``to_empty`` replaces them).
+    The hooks also fire with sync off (a compiled backward runs every accumulation), where they keep the sum.
     """
     for module in model.modules():
         for name, accumulator in vars(module).get("_grad_accumulators", {}).items():

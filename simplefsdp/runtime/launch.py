@@ -14,11 +14,9 @@ def is_launched_rank() -> bool:
 
 
 def launch_local_ranks(nproc: int, module_argv: list[str]) -> int:
-    """Run ``python -m simplefsdp <module_argv>`` on ``nproc`` local ranks; return the job's exit code.
+    """Run ``python -m simplefsdp <module_argv>`` on ``nproc`` local ranks as ``torchrun --standalone``; its exit code.
 
-    Same rendezvous as ``torchrun --standalone``. A failed rank ends the job: the
-    launcher stops the others and this names the rank. Each rank gets an equal
-    share of the CPU cores unless ``OMP_NUM_THREADS`` is set.
+    A failed rank ends the job, named on stderr. Each rank gets an equal share of the cores unless ``OMP_NUM_THREADS``.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -37,17 +35,12 @@ def launch_local_ranks(nproc: int, module_argv: list[str]) -> int:
 
 
 def describe_failures(failures: dict) -> str:
-    """Name the failed ranks, the likely cause first.
-
-    A rank killed by a signal comes first; then ranks that exited with an error
-    (often a collective broken by the dead peer); last, ranks the launcher itself
-    stopped with SIGTERM after the first failure.
-    """
+    """Name the failed ranks, the likely cause first: killed by a signal, then errors (often a collective broken by
+    the dead peer), last the ranks the launcher stopped with SIGTERM after the first failure."""
 
     def likely_cause_first(item):
         rank, failure = item
-        stopped_by_launcher = failure.exitcode == -signal.SIGTERM
-        return (stopped_by_launcher, failure.exitcode >= 0, failure.timestamp, rank)
+        return (failure.exitcode == -signal.SIGTERM, failure.exitcode >= 0, failure.timestamp, rank)
 
     ordered = sorted(failures.items(), key=likely_cause_first)
     parts = [

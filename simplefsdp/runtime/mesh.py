@@ -19,10 +19,7 @@ def device_type() -> str:
 
 
 def init_distributed(timeout: timedelta = timedelta(minutes=5)) -> None:
-    """Start the default process group once: from ``torchrun`` variables, else a 1-rank world.
-
-    NCCL on GPUs, gloo on CPUs. Does nothing when a group already exists.
-    """
+    """Start the default process group (NCCL on GPUs, gloo on CPUs) once: from ``torchrun``, else a 1-rank world."""
     if dist.is_initialized():
         return
     backend = "nccl" if device_type() == "cuda" else "gloo"

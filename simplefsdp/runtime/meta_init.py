@@ -1,12 +1,8 @@
 """Meta-device initialization: allocate only this rank's shards, then fill them as an unsharded init would.
 
-The model's own init function runs on the sharded parameters. Each
-``torch.nn.init`` call or random fill (``uniform_``, ``normal_``, ...) on a
-sharded parameter runs on a full temporary tensor, drawing from the global
-generator exactly as the unsharded init would; this rank keeps its shard and
-frees the rest. Other in-place ops (``fill_``, ``copy_``) run on the shard.
-So the same seed gives the same full parameters as initializing the unsharded
-model in one process, while at most one full parameter exists at a time.
+Each ``torch.nn.init`` call or random fill (``normal_``, ...) on a sharded parameter runs on a full temporary tensor,
+drawing from the global generator as the unsharded init would, and this rank keeps its shard; other in-place ops
+(``fill_``) run on the shard. The same seed gives the same parameters, with one full parameter alive at a time.
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ RANDOM_FILLS = {
 def materialize_sharded(model: nn.Module, init_fn: Callable[[], None] | None = None) -> nn.Module:
     """Allocate ``model``'s shards (built on ``meta``, then ``compile_sharded``) and initialize them in place.
 
-    ``init_fn`` defaults to ``model.init_weights``; it must set every parameter and
-    buffer. Deterministic: the global RNG state decides the values, as in unsharded init.
+    ``init_fn`` (default ``model.init_weights``) must set every parameter and buffer.
     """
     params = list(model.parameters())
     if not params or not all(isinstance(p, DTensor) for p in params):

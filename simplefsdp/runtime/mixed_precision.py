@@ -13,8 +13,7 @@ from torch.utils._pytree import tree_map
 class MixedPrecision:
     """``param_dtype``: compute dtype of gathered parameters; ``reduce_dtype``: dtype of gradient reduction.
 
-    ``None`` keeps the parameter's own dtype. Sharded master parameters and the
-    gradients the optimizer sees stay in the parameter's dtype (usually fp32).
+    ``None`` keeps the parameter's own dtype, as do the sharded parameters and the gradients the optimizer sees.
     """
 
     param_dtype: torch.dtype | None = None
@@ -23,9 +22,7 @@ class MixedPrecision:
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, field)
-            if dtype is None:
-                continue
-            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(
                     f"MixedPrecision({field}={dtype!r}) must be a floating-point torch.dtype, "
                     f"e.g. {field}=torch.bfloat16, or None to keep the parameter dtype"

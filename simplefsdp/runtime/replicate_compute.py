@@ -32,17 +32,10 @@ def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 _reshard_context = checkpoint_context(_recompute_everything)
 
 
-class _HideInPlaceNotice(logging.Filter):
-    """Drops Dynamo's notice that a checkpoint ``context_fn`` must not contain in-place ops.
-
-    Our gather region never does; the notice would only confuse users at every compile.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
-
-
-logging.getLogger("torch._higher_order_ops.wrap").addFilter(_HideInPlaceNotice())
+# Dynamo's notice that a checkpoint context_fn must not hold in-place ops: our gather region holds none, and the
+# notice would only confuse users at every compile.
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(
+    lambda record: "context_fn is passed to torch.utils.checkpoint" not in record.getMessage())
 
 
 @dataclass(frozen=True)
@@ -87,19 +80,16 @@ class ReplicateComputation:
         return self.compute_view(param, accumulator)
 
 
-def install_getters(
-    module: nn.Module, accumulators: dict[str, torch.Tensor], replicate: ReplicateComputation
-) -> None:
+def install_getters(module: nn.Module, accumulators: dict[str, torch.Tensor], replicate: ReplicateComputation) -> None:
     """Make ``module.<name>`` return ``replicate(module._parameters[name], accumulators[name])``.
 
     The module's class is swapped for a subclass with one property per name, so
     ``state_dict`` and ``named_parameters`` still see the sharded parameters.
     """
-    names = list(accumulators)
     module._grad_accumulators = accumulators
-    cls = module.__class__
-    module._class_without_getters = cls
-    getters = {name: property(functools.partial(_read_parameter, name=name, replicate=replicate)) for name in names}
+    cls = module._class_without_getters = module.__class__
+    getters = {name: property(functools.partial(_read_parameter, name=name, replicate=replicate))
+               for name in accumulators}
     module.__class__ = type(f"Sharded{cls.__name__}", (cls,), getters)
 
 
@@ -109,12 +99,8 @@ def _read_parameter(module: nn.Module, name: str, replicate: ReplicateComputatio
 
 @contextlib.contextmanager
 def stored_parameters(model: nn.Module) -> Iterator[None]:
-    """Inside, ``module.<name>`` is the sharded parameter itself, not a gather.
-
-    For utilities that walk attributes to find parameters (such as
-    ``torch.distributed.checkpoint.state_dict``): through the getters every
-    such read would all-gather the parameter.
-    """
+    """Inside, ``module.<name>`` is the sharded parameter itself, not a gather (for DCP's ``state_dict`` and others
+    that walk attributes, where every read through a getter would all-gather)."""
     swapped = [(module, module.__class__) for module in model.modules() if "_class_without_getters" in vars(module)]
     for module, _ in swapped:
         module.__class__ = module._class_without_getters

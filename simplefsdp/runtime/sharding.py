@@ -36,8 +36,7 @@ def _fingerprint(module: nn.Module) -> list[str]:
 def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh) -> None:
     """Compare parameter/buffer shapes across the mesh; raise ``ValueError`` on every rank if any differ.
 
-    One small object all-gather per mesh dimension, so a mismatch becomes an
-    error here instead of a hang in a later collective.
+    One small object all-gather per mesh dimension: a mismatch is an error here, not a hang in a later collective.
     """
     mine = _fingerprint(module)
     for dim in range(mesh.ndim):
@@ -49,10 +48,8 @@ def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh) -> None:
                 continue
             rank = dist.get_global_rank(group, group_rank)
             diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
-            detail = (
-                f"{diff[0]} here, {diff[1]} there" if diff
-                else f"{len(mine)} parameters and buffers here vs {len(theirs)} there"
-            )
+            detail = (f"{diff[0]} here, {diff[1]} there" if diff
+                      else f"{len(mine)} parameters and buffers here vs {len(theirs)} there")
             raise ValueError(
                 f"the model differs between rank {dist.get_rank()} and rank {rank}: {detail}; "
                 "build the same model (same config) on every rank before compile_sharded"
@@ -69,9 +66,7 @@ def broadcast_buffers(module: nn.Module, mesh: DeviceMesh) -> None:
 def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: ReplicateComputation) -> None:
     """Replace each parameter by a DTensor parameter placed for ``mode`` and install the gathering getters.
 
-    Values come from the mesh's first rank. A parameter shared by several modules
-    (tied weights) becomes one DTensor shared by the same modules, with one
-    accumulator for gradients held back while sync is off.
+    Values come from the mesh's first rank. A tied parameter becomes one DTensor shared by the same modules.
     """
     placements = param_placements(mode)
     sharded: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
