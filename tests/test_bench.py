@@ -15,7 +15,7 @@ from charts import png_size
 
 from simplefsdp.bench.profiling import allocation_delta
 from simplefsdp.bench.report import format_table
-from simplefsdp.bench.verdicts import check_parity
+from simplefsdp.bench.report import check_parity
 from simplefsdp.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
