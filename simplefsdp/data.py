@@ -44,3 +44,9 @@ def rank_batch(
 ) -> torch.Tensor:
     """This rank's ``batch_size`` rows of the step's global batch of ``batch_size * world`` windows."""
     return global_batch(tokens, step, batch_size * world, seq_len, seed).chunk(world)[rank]
+
+
+def step_seq_len(step: int, seq_len: int, seed: int) -> int:
+    """A sequence length in ``[max(2, seq_len // 2), seq_len]`` fixed by ``(seed, step)``, the same on every rank."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 - step)
+    return int(torch.randint(max(2, seq_len // 2), seq_len + 1, (), generator=generator))

@@ -12,9 +12,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from simplefsdp.api import compile_sharded
-from simplefsdp.data import load_tokens, rank_batch
+from simplefsdp.data import load_tokens, rank_batch, step_seq_len
 from simplefsdp.ir.hardware import cpu_profile
 from simplefsdp.mfu import peak_flops_per_second, step_flops
 from simplefsdp.models.llama import CONFIGS, build_model
@@ -35,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="train until this step (counting resumed steps)")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per micro-batch")
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--variable-seq-len", action="store_true",
+                        help="each step draws its sequence length in [seq-len/2, seq-len] from --seed")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step; gradients reduce once")
     parser.add_argument("--max-norm", type=float, default=None, help="clip the total gradient norm to this value")
     parser.add_argument("--mode", default="fully_shard", choices=MODES)
@@ -145,7 +148,9 @@ def train(args: argparse.Namespace) -> None:
 
     step_times, losses, mfus = [], [], []
     for step in range(start + 1, args.steps + 1):
-        batch = rank_batch(tokens, step, args.batch_size * args.grad_accum, args.seq_len, args.seed, rank, world)
+        seq_len = step_seq_len(step, args.seq_len, args.seed) if args.variable_seq_len else args.seq_len
+        batch = rank_batch(tokens, step, args.batch_size * args.grad_accum, seq_len, args.seed, rank, world)
+        graphs = counters["stats"]["unique_graphs"]
         micro_batches = batch.to(device).chunk(args.grad_accum)
         begin = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
@@ -162,9 +167,12 @@ def train(args: argparse.Namespace) -> None:
         dist.all_reduce(loss_sum)
         losses.append(loss_sum.item() / world)
         step_times.append(time.perf_counter() - begin)
-        mfus.append(flops_per_step / step_times[-1] / (peak * world) if peak else float("nan"))
+        share = seq_len / args.seq_len  # FLOPs scaled by tokens: exact but for attention's quadratic part
+        mfus.append(share * flops_per_step / step_times[-1] / (peak * world) if peak else float("nan"))
         note = "  (includes compilation)" if len(step_times) == 1 and args.compile else ""
-        say(f"step {step:4d}/{args.steps}  loss {losses[-1]:.4f}  {tokens_per_step / step_times[-1]:10,.0f} tok/s  "
+        note += "  recompiled" if len(step_times) > 1 and counters["stats"]["unique_graphs"] > graphs else ""
+        say(f"step {step:4d}/{args.steps}  loss {losses[-1]:.4f}  "
+            f"{share * tokens_per_step / step_times[-1]:10,.0f} tok/s  "
             f"MFU {mfus[-1]:6.2%}  {step_times[-1]:.3f} s{grad_note}{note}", flush=True)
         if args.checkpoint_dir and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
             say(f"saved {save_checkpoint(args.checkpoint_dir, step, model, optimizer)}", flush=True)
