@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     command = commands.add_parser("train", help="train a reference model on local ranks", parents=[
         _workload("cpu-small", 4, 128, (None, None)), _sharding(), _local_ranks()])
     command.add_argument("--steps", type=int, default=20, help="train until this step (counting resumed steps)")
+    command.add_argument("--variable-seq-len", action="store_true",
+                         help="each step draws its sequence length in [seq-len/2, seq-len] from --seed")
     command.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step; gradients reduce once")
     command.add_argument("--max-norm", type=float, default=None, help="clip the total gradient norm to this value")
     command.add_argument("--activation-checkpointing", default="none", choices=AC_MODES, help="per transformer block")
@@ -103,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     command = commands.add_parser("inspect", help="trace a reference model at any world size and predict its step",
                                   parents=[_workload("llama3-8b", 1, None, (torch.bfloat16, torch.float32)), _sharding()])
     command.add_argument("--world-size", type=int, default=8, help="ranks to shard over (traced in this process)")
+    command.add_argument("--dynamic", action="store_true", help="trace batch and sequence sizes as symbols")
     command.add_argument("--hardware", default="h100", help=f"{', '.join(PROFILE_NAMES)}, or a profile JSON path")
     command.add_argument("--out", default=None, help="folder for each stage's graphs, plan.txt, summary.txt, "
                          "timeline.svg, timeline.png (with matplotlib) and trace.json")

@@ -39,3 +39,9 @@ def rank_batch(tokens: torch.Tensor, step: int, batch_size: int, seq_len: int, s
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, len(tokens) - seq_len - 1, (batch_size * world,), generator=generator)
     return torch.stack([tokens[start : start + seq_len + 1] for start in starts.tolist()]).chunk(world)[rank]
+
+
+def step_seq_len(step: int, seq_len: int, seed: int) -> int:
+    """A sequence length in ``[max(2, seq_len // 2), seq_len]`` fixed by ``(seed, step)``, the same on every rank."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 - step)
+    return int(torch.randint(max(2, seq_len // 2), seq_len + 1, (), generator=generator))

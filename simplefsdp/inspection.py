@@ -24,7 +24,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from simplefsdp import plots
 from simplefsdp.api import compile_sharded
 from simplefsdp.ir.capture import TraceError, capture_graphs
-from simplefsdp.ir.cost_model import as_number
 from simplefsdp.ir.hardware import HardwareProfile, get_profile
 from simplefsdp.ir.render import chrome_trace, stage_table, svg_timeline, text_summary
 from simplefsdp.ir.schedule import Schedule
@@ -110,12 +109,12 @@ class InspectReport:
     @property
     def sharded_param_bytes(self) -> int:
         """Bytes of parameter shards one rank holds."""
-        return int(sum(as_number(graph_input.bytes) for graph_input in self.forward.inputs if graph_input.param_fqn))
+        return sum(graph_input.bytes for graph_input in self.forward.inputs if graph_input.param_fqn)
 
     @property
     def flops(self) -> float:
         """FLOPs one rank runs in a step (forward and backward)."""
-        return sum(as_number(node.flops) for schedule in self.schedules for node in schedule.nodes)
+        return sum(node.flops for schedule in self.schedules for node in schedule.nodes)
 
     def plans(self) -> str:
         """The bucket plan and the reorder plan of both graphs, as text (what ``plan.txt`` holds)."""
@@ -129,7 +128,13 @@ class InspectReport:
         """The text summary: one row per stage, the plans, then the final graphs' predictions and collectives."""
         table = stage_table([(stage.name, stage.schedules, stage.prediction) for stage in self.stages])
         final = text_summary(f"{self.final.name} graphs (what runs)", self.schedules, self.prediction, self.hardware)
-        return f"{self.title}\n{table}\n{self.plans()}\n{final}"
+        return f"{self.title}\n{self.symbolic_sizes()}{table}\n{self.plans()}\n{final}"
+
+    def symbolic_sizes(self) -> str:
+        """A line naming each symbolic size and the hint it is priced at; empty when every size is static."""
+        symbols = {**self.forward.symbols, **self.backward.symbols}
+        hints = ", ".join(f"{symbol}={hint}" for symbol, hint in sorted(symbols.items()))
+        return f"symbolic sizes, priced at their hints: {hints}\n" if symbols else ""
 
     def save(self, directory: str | Path) -> list[Path]:
         """Write the final graphs (forward.py, backward.py), each stage's graphs (``forward.0-traced.py``, ...),
@@ -170,6 +175,7 @@ def inspect(
     prefetch: int = 1,
     memory_budget: int | None = None,
     title: str | None = None,
+    dynamic: bool = False,
 ) -> InspectReport:
     """Trace ``model`` as ``compile_sharded`` would shard it on ``world_size`` ranks, run our passes, predict a step.
 
@@ -179,7 +185,8 @@ def inspect(
     path or a ``HardwareProfile``; it also prices ``buckets="auto"``. ``buckets``,
     ``reorder``, ``prefetch`` and ``memory_budget`` are ``compile_sharded``'s
     pass options; the report keeps the graphs as traced and after each pass
-    that is on. Each bad argument raises one clear error.
+    that is on. ``dynamic`` traces the inputs' sizes as symbols, priced at
+    ``example_inputs``' sizes. Each bad argument raises one clear error.
     """
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size
@@ -197,7 +204,7 @@ def inspect(
         # Sharded by compile_sharded itself, so the graphs traced here are those that run.
         compile_sharded(meta_model, mesh=mesh, mode=mode, mp_policy=mp_policy,
                         reshard_after_forward=reshard_after_forward, compile=False)
-        graphs = capture_graphs(meta_model, meta_inputs)
+        graphs = capture_graphs(meta_model, meta_inputs, dynamic=dynamic)
         # The captured graphs are ours: the passes rewrite them in place, and each stage keeps its schedule.
         forward_stages = list(passes.stages(graphs.forward, "forward", graphs.param_fqns))
         backward_stages = list(passes.stages(graphs.backward, "backward", graphs.param_fqns))
@@ -261,7 +268,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
             reshard_after_forward=args.reshard_after_forward,
             buckets=args.buckets, reorder=args.reorder,
-            prefetch=args.prefetch, memory_budget=args.memory_budget, title=title,
+            prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
         )
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from simplefsdp.ir.capture import capture_graphs
-from simplefsdp.ir.cost_model import as_number
 from simplefsdp.ir.hardware import cpu_profile, gpu_profile, measuring_threads
 from simplefsdp.ir.schedule import read_schedule
 from simplefsdp.models.llama import build_model
@@ -22,7 +21,7 @@ def step_flops(model_name: str, batch_size: int, seq_len: int) -> float:
     tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     graphs = capture_graphs(model, (tokens,), fused_attention=False)
     schedules = (read_schedule(graphs.forward, "forward"), read_schedule(graphs.backward, "backward"))
-    return sum(as_number(node.flops) for schedule in schedules for node in schedule.nodes)
+    return sum(node.flops for schedule in schedules for node in schedule.nodes)
 
 
 def peak_flops_per_second(device: torch.device, dtype: torch.dtype) -> float | None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from simplefsdp import plots
 from simplefsdp.api import compile_sharded
-from simplefsdp.data import load_tokens, rank_batch
+from simplefsdp.data import load_tokens, rank_batch, step_seq_len
 from simplefsdp.ir.hardware import cpu_profile
 from simplefsdp.mfu import peak_flops_per_second, step_flops
 from simplefsdp.models.llama import build_model
@@ -23,7 +23,7 @@ from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from simplefsdp.runtime.clip_grad import clip_grad_norm_
-from simplefsdp.runtime.compile import graph_cache_hits
+from simplefsdp.runtime.compile import compiled_graphs, graph_cache_hits
 from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks
 from simplefsdp.runtime.mesh import init_distributed
 from simplefsdp.runtime.meta_init import materialize_sharded
@@ -126,7 +126,9 @@ def train(args: argparse.Namespace) -> None:
     if args.compile:
         say("compiling the forward and backward graphs in the first step ...", flush=True)
     for step in range(start + 1, args.steps + 1):
-        batch = rank_batch(tokens, step, args.batch_size * args.grad_accum, args.seq_len, args.seed, rank, world)
+        seq_len = step_seq_len(step, args.seq_len, args.seed) if args.variable_seq_len else args.seq_len
+        batch = rank_batch(tokens, step, args.batch_size * args.grad_accum, seq_len, args.seed, rank, world)
+        graphs = compiled_graphs()
         micro_batches = batch.to(device).chunk(args.grad_accum)
         begin = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
@@ -143,13 +145,16 @@ def train(args: argparse.Namespace) -> None:
         dist.all_reduce(loss_sum)
         losses.append(loss_sum.item() / world)
         step_times.append(time.perf_counter() - begin)
-        mfus.append(flops_per_step / step_times[-1] / (peak * world) if peak else float("nan"))
+        share = seq_len / args.seq_len  # FLOPs scaled by tokens: exact but for attention's quadratic part
+        mfus.append(share * flops_per_step / step_times[-1] / (peak * world) if peak else float("nan"))
         if len(step_times) == 1 and args.compile:
             hits, lookups = graph_cache_hits()
             cached = f" ({hits} of {lookups} graphs from Inductor's cache)" if lookups else ""
             say(f"compiled in {step_times[0]:.1f} s{cached}", flush=True)
-        say(f"step {step:4d}/{args.steps}  loss {losses[-1]:.4f}  {tokens_per_step / step_times[-1]:10,.0f} tok/s  "
-            f"MFU {mfus[-1]:6.2%}  {step_times[-1]:.3f} s{grad_note}", flush=True)
+        note = "  recompiled" if len(step_times) > 1 and compiled_graphs() > graphs else ""
+        say(f"step {step:4d}/{args.steps}  loss {losses[-1]:.4f}  "
+            f"{share * tokens_per_step / step_times[-1]:10,.0f} tok/s  "
+            f"MFU {mfus[-1]:6.2%}  {step_times[-1]:.3f} s{grad_note}{note}", flush=True)
         if args.checkpoint_dir and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
             say(f"saved {save_checkpoint(args.checkpoint_dir, step, model, optimizer)}", flush=True)
 

@@ -251,3 +251,61 @@ def _digest(tensors) -> str:
 def run_jobs(jobs: list[tuple[str, str, dict]]) -> list[dict]:
     """Run each ``(scenario, wrapper, options)`` job in turn on this rank."""
     return [train_on_rank(*job) for job in jobs]
+
+
+# Sequences per rank and tokens per sequence of each step: the batch and the sequence length change together at
+# step 2, then each changes alone; eval and inference follow at sizes training never saw.
+CHANGING_SHAPES = [(4, 32), (4, 32), (3, 48), (3, 64), (2, 32)]
+EVAL_SHAPES = {"eval_no_grad": (3, 40), "inference_mode": (2, 24)}
+SGD_LR = 1e-2
+
+
+def changing_batch(step: int, size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``size`` sequences of ``seq_len`` input tokens and their next-token targets, fixed by ``step``."""
+    tokens = torch.randint(0, 256, (size, seq_len + 1), generator=torch.Generator().manual_seed(200 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_changing_shapes(model: nn.Module, world: int, rank: int | None = None, evaluate: bool = True) -> dict:
+    """SGD on each step of ``CHANGING_SHAPES`` (a global batch of ``world`` ranks' sequences, or ``rank``'s slice
+    of it), then, with ``evaluate``, eval and inference at ``EVAL_SHAPES``.
+
+    Returns the losses, the full parameters, the eval outputs and Dynamo's count of graphs after each step.
+    """
+    from torch._dynamo.utils import counters
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    graphs_before, losses, graphs = counters["stats"]["unique_graphs"], [], []
+    for step, (size, seq_len) in enumerate(CHANGING_SHAPES):
+        inputs, target = changing_batch(step, size * world, seq_len)
+        if rank is not None:
+            inputs, target = inputs.chunk(world)[rank], target.chunk(world)[rank]
+        loss = _lm_loss(model(inputs), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+        graphs.append(counters["stats"]["unique_graphs"] - graphs_before)
+    params = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+              for name, p in model.named_parameters()}
+    if not evaluate:
+        return {"losses": losses, "params": params, "graphs": graphs, "outputs": {}}
+    model.eval()
+    with torch.no_grad():
+        eval_no_grad = model(changing_batch(-1, *EVAL_SHAPES["eval_no_grad"])[0])
+    with torch.inference_mode():
+        inference = model(changing_batch(-2, *EVAL_SHAPES["inference_mode"])[0]).clone()
+    return {"losses": losses, "params": params, "graphs": graphs,
+            "outputs": {"eval_no_grad": eval_no_grad, "inference_mode": inference}}
+
+
+def run_changing_shape_jobs(jobs: list[tuple[dict, bool]]) -> list[dict]:
+    """For each ``(compile_sharded options, evaluate)``, ``train_changing_shapes`` the debug Llama on this rank."""
+    from simplefsdp import compile_sharded
+
+    results = []
+    for options, evaluate in jobs:
+        torch._dynamo.reset()
+        model = compile_sharded(build("llama"), **options)
+        results.append(train_changing_shapes(model, dist.get_world_size(), dist.get_rank(), evaluate))
+    return results

@@ -36,11 +36,13 @@ class TraceError(RuntimeError):
     """The model could not be traced into one forward and one backward graph."""
 
 
-def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: bool = True) -> CapturedGraphs:
+def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: bool = True,
+                   dynamic: bool = False) -> CapturedGraphs:
     """Compile ``model``, run it once forward and backward on ``example_inputs``, return its graphs.
 
     With ``fused_attention`` an unmasked ``scaled_dot_product_attention`` is traced as the flash kernel a GPU runs,
     even on meta tensors. Raises ``TraceError`` naming the fix when the forward does not trace as one graph.
+    With ``dynamic`` the inputs' sizes are traced as symbols (``torch.compile(dynamic=True)``).
     """
     graphs: dict[str, fx.GraphModule] = {}
     dynamo_inputs: list[str | None] = []
@@ -50,7 +52,7 @@ def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: 
         dynamo_inputs[:] = [names.get(id(value)) for value in inputs]
 
     backend = fx_backend(graphs.__setitem__, record_inputs, fused_attention=fused_attention)
-    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
     # Each capture is a new model object, so Dynamo compiles its forward's code again: lift the per-code limit
     # (8) to the process-wide one, or the ninth capture of one model class in a process would fail.
     limit = torch._dynamo.config.accumulated_recompile_limit

@@ -15,11 +15,10 @@ intra-node phase ``(g-1)/g * S`` over NVLink; the phases add up.
 
 from __future__ import annotations
 
-import sympy
 import torch
 
 from simplefsdp.ir.hardware import HardwareProfile
-from simplefsdp.ir.schedule import COLLECTIVE, COMPUTE, Collective, ScheduleNode, Size
+from simplefsdp.ir.schedule import COLLECTIVE, COMPUTE, Collective, ScheduleNode
 
 
 def node_time(node: ScheduleNode, hardware: HardwareProfile, dtype: torch.dtype | None = None) -> float:
@@ -33,16 +32,15 @@ def node_time(node: ScheduleNode, hardware: HardwareProfile, dtype: torch.dtype 
         return 0.0
     if node.alias_of is not None:
         return hardware.dispatch_overhead
-    flops = as_number(node.flops)
-    moved = as_number(node.bytes_read) + as_number(node.bytes_written)
+    moved = node.bytes_read + node.bytes_written
     rate = hardware.matmul_rate(dtype or torch.float32)
     launch = hardware.dispatch_overhead + hardware.kernel_overhead
-    return launch + max(flops / rate, moved / hardware.memory_bandwidth)
+    return launch + max(node.flops / rate, moved / hardware.memory_bandwidth)
 
 
 def collective_time(collective: Collective, hardware: HardwareProfile) -> float:
     """Seconds for one collective of ``collective.bytes`` bytes over its group, by the model above."""
-    return collective_seconds(collective.kind, as_number(collective.bytes), collective.group_ranks, hardware)
+    return collective_seconds(collective.kind, collective.bytes, collective.group_ranks, hardware)
 
 
 def collective_seconds(kind: str, size: float, ranks: tuple[int, ...], hardware: HardwareProfile) -> float:
@@ -67,14 +65,3 @@ def _ring_phase(size: float, ranks: int, bandwidth: float, step_latency: float) 
         return 0.0
     return (ranks - 1) * step_latency + (ranks - 1) / ranks * size / bandwidth
 
-
-def as_number(value: Size) -> float:
-    """A size as a float; a symbolic size raises ``ValueError`` naming the fix."""
-    if isinstance(value, sympy.Expr):
-        if value.free_symbols:
-            raise ValueError(
-                f"cannot price a symbolic size {value}; inspect with static example inputs "
-                "(torch.compile(dynamic=False)) or substitute the symbols first"
-            )
-        return float(value)
-    return float(value)

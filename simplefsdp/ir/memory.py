@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from simplefsdp.ir.cost_model import as_number
 from simplefsdp.ir.schedule import COLLECTIVE, COMPUTE, Schedule, ScheduleNode
 
 _END = 1 << 62  # a step after the last one
@@ -51,7 +50,7 @@ def memory_profile(forward: Schedule, backward: Schedule) -> MemoryProfile:
     liveness = _Liveness()
     for graph_input in forward.inputs:
         category = "sharded_params" if graph_input.param_fqn else "activations"
-        liveness.hold(f"f:{graph_input.name}", as_number(graph_input.bytes), category)
+        liveness.hold(f"f:{graph_input.name}", graph_input.bytes, category)
     liveness.run("f", forward.nodes)
     saved = {graph_input.name for graph_input in backward.inputs}
     for name in forward.outputs:
@@ -61,7 +60,7 @@ def memory_profile(forward: Schedule, backward: Schedule) -> MemoryProfile:
         if f"f:{graph_input.name}" in liveness.root:
             liveness.root[f"b:{graph_input.name}"] = liveness.root[f"f:{graph_input.name}"]
         else:  # the gradient of a forward result, arriving when the backward starts
-            liveness.allocate(f"b:{graph_input.name}", as_number(graph_input.bytes), "activations")
+            liveness.allocate(f"b:{graph_input.name}", graph_input.bytes, "activations")
     liveness.run("b", backward.nodes)
     for name in backward.outputs:
         if name is not None:
@@ -116,11 +115,11 @@ class _Liveness:
         for node in nodes:
             key = f"{phase}:{node.name}"
             if node.alias_of in split:
-                self.allocate(key, as_number(node.bytes_written), _category(split[node.alias_of], users[node.name]))
+                self.allocate(key, node.bytes_written, _category(split[node.alias_of], users[node.name]))
             elif node.alias_of is not None:
                 self.root[key] = self.root.get(f"{phase}:{node.alias_of}", key)
             elif node.name not in split:
-                self.allocate(key, as_number(node.bytes_written), _category(node, users[node.name]))
+                self.allocate(key, node.bytes_written, _category(node, users[node.name]))
             for name in node.inputs:
                 self.use(f"{phase}:{name}", self.step)
             self.labels.append(f"{'forward' if phase == 'f' else 'backward'}:{node.name}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from html import escape
 
-from simplefsdp.ir.cost_model import as_number, collective_time
+from simplefsdp.ir.cost_model import collective_time
 from simplefsdp.ir.hardware import HardwareProfile
 from simplefsdp.ir.memory import CATEGORIES
 from simplefsdp.ir.schedule import Schedule
@@ -43,7 +43,7 @@ def collective_rows(schedules: list[Schedule], prediction: Prediction, hardware:
                 phase=schedule.phase, kind=collective.kind, bucket=f"{schedule.phase[0]}{index}",
                 module=node.fqn or "(top)", group=collective.group_size,
                 dtype=str(collective.dtype).removeprefix("torch."),
-                bytes=as_number(collective.bytes), time=collective_time(collective, hardware),
+                bytes=collective.bytes, time=collective_time(collective, hardware),
                 stall=prediction.stall(schedule.phase, node.name), name=node.name,
             ))
     return rows
@@ -67,7 +67,7 @@ def text_summary(title: str, schedules: list[Schedule], prediction: Prediction, 
     """The predictions in a few lines, then a table with one row per collective."""
     memory = prediction.memory
     split = ", ".join(f"{category} {format_bytes(memory.peak_by_category[category])}" for category in CATEGORIES)
-    flops = sum(as_number(node.flops) for schedule in schedules for node in schedule.nodes)
+    flops = sum(node.flops for schedule in schedules for node in schedule.nodes)
     lines = [
         title,
         f"predicted step {format_seconds(prediction.step_time)}: compute {format_seconds(prediction.compute_time)}, "

@@ -3,27 +3,27 @@
 Reading never changes the graph. Each node carries its owning module's FQN,
 FLOPs (``torch.utils.flop_counter`` formulas on the node's fake tensors), bytes
 read and written, and the names of the nodes it reads; ``Schedule.dag`` holds
-the same dependencies as a ``networkx`` DAG. Sizes are ``int`` for static
-shapes and ``sympy`` expressions for dynamic ones.
+the same dependencies as a ``networkx`` DAG. Sizes are ``int``: a symbolic
+size (a graph compiled with dynamic shapes) is read at its shape environment's
+hint, the size being compiled for, and ``Schedule.symbols`` names each symbol
+and its hint.
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import networkx as nx
-import sympy
 import torch
 from torch import fx
 from torch._inductor.fx_passes.control_dependencies import control_deps
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from simplefsdp.ir.fqn import node_fqn
-
-Size = Union[int, sympy.Expr]
 
 COMPUTE, COLLECTIVE, WAIT = "compute", "collective", "wait"
 
@@ -50,7 +50,7 @@ class Collective:
     group_name: str
     group_ranks: tuple[int, ...]
     dtype: torch.dtype
-    bytes: Size
+    bytes: int
 
     @property
     def group_size(self) -> int:
@@ -71,9 +71,9 @@ class ScheduleNode:
     op: str
     fqn: str
     inputs: tuple[str, ...]
-    flops: Size = 0
-    bytes_read: Size = 0
-    bytes_written: Size = 0
+    flops: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
     alias_of: str | None = None
     collective: Collective | None = None
     waits_for: str | None = None
@@ -84,13 +84,16 @@ class GraphInput:
     """A graph placeholder that holds a tensor: its size and, for parameter shards, the parameter's FQN."""
 
     name: str
-    bytes: Size
+    bytes: int
     param_fqn: str | None = None
 
 
 @dataclass
 class Schedule:
-    """One graph (``phase`` is ``"forward"`` or ``"backward"``) read into ordered nodes and a DAG."""
+    """One graph (``phase`` is ``"forward"`` or ``"backward"``) read into ordered nodes and a DAG.
+
+    ``symbols`` maps each symbolic size of the graph's inputs to the hint its sizes were read at.
+    """
 
     phase: str
     inputs: list[GraphInput]
@@ -98,6 +101,7 @@ class Schedule:
     outputs: list[str | None]
     code: str
     dag: nx.DiGraph = field(repr=False)
+    symbols: dict[str, int] = field(default_factory=dict)
 
     def node(self, name: str) -> ScheduleNode:
         """The node called ``name``; ``KeyError`` when there is none."""
@@ -129,7 +133,14 @@ def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | N
             nodes.append(node)
             dag.add_node(node.name, node=node)
             dag.add_edges_from((source, node.name) for source in node.inputs if source in dag)
-    return Schedule(phase, inputs, nodes, outputs, gm.code, dag)
+    return Schedule(phase, inputs, nodes, outputs, gm.code, dag, _symbols(gm))
+
+
+def _symbols(gm: fx.GraphModule) -> dict[str, int]:
+    values = [node.meta.get("val") for node in gm.graph.find_nodes(op="placeholder")]
+    sizes = [size for value in values for size in (value.shape if isinstance(value, torch.Tensor) else [value])]
+    return {str(size.node.expr): _as_size(size) for size in sizes
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol}
 
 
 class _Call(NamedTuple):
@@ -187,18 +198,17 @@ def _is_tensor_node(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
-def tensor_bytes(tensor: torch.Tensor) -> Size:
-    """Bytes of ``tensor``'s elements; a ``sympy`` expression when its shape is symbolic."""
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s elements; a symbolic shape at its hint."""
     return _as_size(tensor.numel()) * tensor.element_size()
 
 
-def _as_size(value) -> Size:
-    if isinstance(value, torch.SymInt):
-        return sympy.sympify(value.node.expr)
-    return int(value)
+def _as_size(value) -> int:
+    """``value`` as an ``int``: a ``SymInt`` at its hint (``optimization_hint``: adds no guard)."""
+    return optimization_hint(value) if isinstance(value, torch.SymInt) else int(value)
 
 
-def _output_bytes(fx_node: fx.Node) -> Size:
+def _output_bytes(fx_node: fx.Node) -> int:
     values = [value for value in tree_flatten(fx_node.meta.get("val"))[0] if isinstance(value, torch.Tensor)]
     return sum((tensor_bytes(value) for value in values), 0)
 
@@ -216,7 +226,7 @@ def _aliased_input(call: _Call) -> str | None:
     return tensors[0].name if tensors else None
 
 
-def _flops(fx_node: fx.Node, call: _Call) -> Size:
+def _flops(fx_node: fx.Node, call: _Call) -> int:
     formula = flop_registry.get(getattr(call.target, "overloadpacket", None))
     if formula is None:
         return 0

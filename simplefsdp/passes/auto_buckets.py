@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from simplefsdp.ir.cost_model import as_number, collective_seconds, node_time
+from simplefsdp.ir.cost_model import collective_seconds, node_time
 from simplefsdp.ir.hardware import HardwareProfile
 from simplefsdp.ir.schedule import COMPUTE, Schedule, ScheduleNode
 from simplefsdp.passes.bucket_plan import (Bucket, BucketPlan, block_names, block_of, bucketable, group_collectives,
@@ -93,7 +93,7 @@ def _streams(schedule: Schedule, plan: BucketPlan, compute_names: dict[str, str]
     streams: dict[tuple, list[_Unit]] = {}
     for bucket in plan.buckets:
         first = schedule.node(bucket.collectives[0]).collective
-        size = sum(as_number(schedule.node(name).collective.bytes) for name in bucket.collectives)
+        size = sum(schedule.node(name).collective.bytes for name in bucket.collectives)
         unit = _Unit(bucket, size, compute.get(bucket.name, 0.0))
         streams.setdefault((bucket.kind, first.group_name, first.dtype), []).append(unit)
     return streams

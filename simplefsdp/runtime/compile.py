@@ -85,3 +85,8 @@ def graph_cache_hits() -> tuple[int, int]:
     """(hits, lookups) of Inductor's FX graph cache in this process so far."""
     stats = counters["inductor"]
     return stats["fxgraph_cache_hit"], stats["fxgraph_cache_hit"] + stats["fxgraph_cache_miss"]
+
+
+def compiled_graphs() -> int:
+    """How many graphs Dynamo has compiled in this process so far (a recompile adds one)."""
+    return counters["stats"]["unique_graphs"]

@@ -1,0 +1,133 @@
+"""Shapes that change: a smaller last batch, new sequence lengths, ``dynamic=True``, eval and inference.
+
+On 2 gloo ranks (one launch for every job) the debug Llama trains with SGD through ``CHANGING_SHAPES``
+under each bucket mode and is checked against one unsharded process fed the same global batches. On the
+fake process group the passes plan a dynamic graph as they plan the static graph at the hint sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import simplefsdp
+from ranks import run_on_ranks
+from scenarios import CHANGING_SHAPES, build, run_changing_shape_jobs, train_changing_shapes
+from simplefsdp.cli import build_parser
+from simplefsdp.data import step_seq_len
+from simplefsdp.models.llama import build_model, get_config
+
+MANUAL_PLAN = [["tok_embeddings"], ["layers.0", "layers.1"], ["norm", "output"]]
+WORLD = 2
+# Every Inductor compile here is cold (tens of seconds), so only the defaults job also runs eval and inference.
+JOBS = {
+    "defaults": ({}, True),  # buckets="auto", reorder=True; Dynamo's automatic dynamic shapes
+    "dynamic-auto": ({"dynamic": True}, False),
+    "dynamic-block": ({"dynamic": True, "buckets": "block"}, False),
+    "dynamic-manual": ({"dynamic": True, "buckets": MANUAL_PLAN}, False),
+    "dynamic-no-buckets": ({"dynamic": True, "buckets": None}, False),
+}
+
+# Bounds (fp32, unit roundoff u = 2^-24). A length-K reduction carries a relative error of at most about K*u,
+# and an error passes through at most D reductions in a row. K = 384: the most tokens of one global batch
+# (2 ranks x 3 x 64), which the weight gradients sum over; every other reduction (dim 64, FFN 192, vocabulary
+# 256, sequence <= 64) is shorter. D = 26: the longest chain of matmuls, 6 per block (q/k/v, scores,
+# weighted values, wo, w1/w3, w2) x 2 blocks + output = 13 forward, as many again backward.
+U, K, D = 2.0**-24, 2 * 3 * 64, 2 * (6 * get_config("debug").n_layers + 1)
+STEP_BOUND = D * K * U  # one step's loss and gradients
+# SGD's update after n steps sums n gradients, each within STEP_BOUND; the parameters that later gradients see
+# differ by these sums, so the bound grows at most linearly with the steps (and so for the eval outputs).
+UPDATE_BOUND = len(CHANGING_SHAPES) * STEP_BOUND
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, list[dict]]:
+    per_rank = run_on_ranks(WORLD, run_changing_shape_jobs, list(JOBS.values()))  # one launch for all jobs
+    return {name: [rank_results[index] for rank_results in per_rank] for index, name in enumerate(JOBS)}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """One process, no sharding, eager: the global batch of both ranks each step."""
+    return train_changing_shapes(build("llama"), WORLD)
+
+
+def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_changing_shapes_match_the_single_process_reference(results, reference, job):
+    ranks, initial = results[job], build("llama").state_dict()
+    for step, expected in enumerate(reference["losses"]):
+        loss = sum(rank["losses"][step] for rank in ranks).item() / WORLD  # equal local batches: the global mean
+        assert abs(loss - expected.item()) <= (step + 1) * STEP_BOUND * expected.item(), f"step {step}"
+    for rank in ranks:
+        for name, expected in reference["params"].items():
+            update, expected_update = rank["params"][name] - initial[name], expected - initial[name]
+            assert relative_difference(update, expected_update) <= UPDATE_BOUND, name
+        for name, output in rank["outputs"].items():
+            assert relative_difference(output, reference["outputs"][name]) <= UPDATE_BOUND, name
+    assert results["defaults"][0]["outputs"].keys() == {"eval_no_grad", "inference_mode"}
+
+
+def test_a_change_of_shape_recompiles_once_then_the_graph_is_dynamic(results):
+    for rank in results["defaults"]:
+        assert rank["graphs"] == [1, 1, 2, 2, 2]  # steps 2-4 change the batch, the sequence length, both
+
+
+@pytest.mark.parametrize("job", ["dynamic-auto", "dynamic-block", "dynamic-manual"])
+def test_bucket_plans_leave_numerics_bitwise_unchanged_at_every_shape(results, job):
+    # Bucketing only copies into and out of flat buffers and a 2-rank sum is the same in any order; reordering
+    # moves no arithmetic. So every plan computes bit for bit what one collective per parameter computes.
+    for ours, theirs in zip(results[job], results["dynamic-no-buckets"]):
+        assert all(torch.equal(a, b) for a, b in zip(ours["losses"], theirs["losses"]))
+        assert all(torch.equal(ours["params"][name], theirs["params"][name]) for name in theirs["params"])
+
+
+def test_variable_seq_len_is_deterministic_and_spans_half_to_full():
+    lengths = [step_seq_len(step, 64, seed=3) for step in range(1, 41)]
+    assert lengths == [step_seq_len(step, 64, seed=3) for step in range(1, 41)]
+    assert min(lengths) >= 32 and max(lengths) <= 64 and len(set(lengths)) > 10
+    assert lengths != [step_seq_len(step, 64, seed=4) for step in range(1, 41)]
+
+
+@pytest.fixture(scope="module")
+def static_and_dynamic():
+    """The default passes on the debug Llama for 8 ranks, traced with static sizes and with symbolic ones."""
+    with torch.device("meta"):
+        model = build_model("debug")
+    tokens = torch.zeros(2, 32, dtype=torch.long)
+    return [simplefsdp.inspect(model, (tokens,), world_size=8, dynamic=dynamic) for dynamic in (False, True)]
+
+
+def reorder_moves(report, phase: str) -> tuple[list, list]:
+    """The reorder plan with each compute node named by op and module: the dynamic graph numbers nodes otherwise."""
+    schedule, plan = getattr(report.stage("bucketed"), phase), getattr(report.stage("reordered"), f"{phase}_plan")
+    named = lambda name: (schedule.node(name).op, schedule.node(name).fqn)  # noqa: E731
+    return ([(p.collective, p.after, named(p.anchor)) for p in plan.prefetches],
+            [(s.nodes, named(s.before)) for s in plan.sinks])
+
+
+def test_plans_of_a_dynamic_graph_equal_the_static_plans_at_the_hints(static_and_dynamic):
+    static, dynamic = static_and_dynamic
+    assert static.forward.symbols == {} and sorted(dynamic.forward.symbols.values()) == [2, 32]
+    for phase in ("forward", "backward"):
+        assert str(dynamic.stage("bucketed").__dict__[f"{phase}_plan"]) == str(
+            static.stage("bucketed").__dict__[f"{phase}_plan"])
+        assert reorder_moves(dynamic, phase) == reorder_moves(static, phase)
+    assert len(dynamic.stage("bucketed").forward.collectives()) < len(dynamic.stage("traced").forward.collectives())
+
+
+def test_inspect_names_the_symbolic_sizes_and_their_hints(static_and_dynamic):
+    static, dynamic = static_and_dynamic
+    symbols = ", ".join(f"{name}={hint}" for name, hint in sorted(dynamic.forward.symbols.items()))
+    assert f"symbolic sizes, priced at their hints: {symbols}\n" in dynamic.summary()
+    assert "symbolic" not in static.summary()
+    # the memory model and the simulator report at the hints: the same peak as static, to a few scalars' bytes
+    assert abs(dynamic.prediction.memory.peak_bytes - static.prediction.memory.peak_bytes) <= 64
+
+
+def test_inspect_command_line_takes_dynamic():
+    assert build_parser().parse_args(["inspect", "--dynamic"]).dynamic
+    assert not build_parser().parse_args(["inspect"]).dynamic
