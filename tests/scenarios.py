@@ -139,6 +139,7 @@ def _mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 SCENARIOS = {
     "llama": (lambda: build_model("debug"), _token_batch, _lm_loss),
     "tied_llama": (lambda: build_model("debug", tie_embeddings=True), _token_batch, _lm_loss),
+    "one_layer_llama": (lambda: build_model("debug", n_layers=1), _token_batch, _lm_loss),
     "linear_7x5": (lambda: nn.Linear(7, 5), _feature_batch(7, 5), _mse_loss),
     "tiny_first_dim": (WithTinyFirstDim, _feature_batch(8, 3), _mse_loss),
     "frozen_layer": (WithFrozenLayer, _feature_batch(8, 3), _mse_loss),
@@ -299,13 +300,13 @@ def train_changing_shapes(model: nn.Module, world: int, rank: int | None = None,
             "outputs": {"eval_no_grad": eval_no_grad, "inference_mode": inference}}
 
 
-def run_changing_shape_jobs(jobs: list[tuple[dict, bool]]) -> list[dict]:
-    """For each ``(compile_sharded options, evaluate)``, ``train_changing_shapes`` the debug Llama on this rank."""
+def run_changing_shape_jobs(scenario: str, jobs: list[tuple[dict, bool]]) -> list[dict]:
+    """For each ``(compile_sharded options, evaluate)``, ``train_changing_shapes`` ``scenario``'s model on this rank."""
     from simplefsdp import compile_sharded
 
     results = []
     for options, evaluate in jobs:
         torch._dynamo.reset()
-        model = compile_sharded(build("llama"), **options)
+        model = compile_sharded(build(scenario), **options)
         results.append(train_changing_shapes(model, dist.get_world_size(), dist.get_rank(), evaluate))
     return results
