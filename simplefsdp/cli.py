@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "timeline.svg, timeline.png (with matplotlib) and trace.json")
     command.set_defaults(run=inspection.run)
 
-    command = commands.add_parser("bench", help="compare simplefsdp with FSDP2, DDP, FSDP1 and a local baseline, "
+    command = commands.add_parser("bench", help="compare simplefsdp with FSDP2, DDP and a local baseline, "
                                   "side by side", parents=[_workload("cpu-small", 4, 128, (None, None)), _local_ranks()])
     command.add_argument("--steps", type=int, default=20, help="measured steps per contender")
     command.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation happens here)")

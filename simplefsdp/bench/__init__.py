@@ -1,4 +1,4 @@
-"""``simplefsdp bench``: simplefsdp side by side with eager FSDP2, FSDP2 + compile, DDP, FSDP1 and a local floor.
+"""``simplefsdp bench``: simplefsdp side by side with eager FSDP2, FSDP2 + compile, DDP and a local floor.
 
 One launch of ``--nproc`` ranks runs every contender (``contenders``) on the same processes, seed, batches and load
 (``measure``: warm-up, interleaved timed steps, then a profiled step read by ``profiling``). The launching process

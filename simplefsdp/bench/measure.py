@@ -31,7 +31,7 @@ METHODS = {
     "comm": "summed duration of the backend's own collective events (e.g. gloo:all_gather, on its worker threads) "
             "in the profiled step, and its share of that step's duration (the profiler slows the step)",
     "wait": "summed duration of _c10d_functional::wait_tensor events (compiled graphs); n/a where collectives are "
-            "waited on in Work.wait(), which the profiler does not record (eager FSDP2, FSDP1, DDP); in the "
+            "waited on in Work.wait(), which the profiler does not record (eager FSDP2, DDP); in the "
             "profiled step, with its share of that step's duration",
 }
 
