@@ -1,11 +1,9 @@
 """Two-stream replay of a schedule: predicted step time, exposed communication, overlap, peak memory.
 
-The compute stream runs nodes in program order. A collective is issued when
-the compute stream reaches it and runs on the communication stream, after the
-collectives issued before it. A wait blocks the compute stream until its
-collective ends; that stall is exposed communication. The backward starts
-when the forward's compute stream ends. The lower bound of any schedule of
-these nodes on two streams is ``max(total compute, total communication)``.
+The compute stream runs nodes in program order. A collective is issued when the compute stream reaches it and runs
+on the communication stream, after the collectives issued before it. A wait blocks the compute stream until its
+collective ends; that stall is exposed communication. The backward starts when the forward's compute stream ends.
+The lower bound of any schedule of these nodes on two streams is ``max(total compute, total communication)``.
 """
 
 from __future__ import annotations
@@ -62,10 +60,7 @@ class Prediction:
 def simulate(
     forward: Schedule, backward: Schedule, hardware: HardwareProfile, compute_dtype: torch.dtype | None = None
 ) -> Prediction:
-    """Replay ``forward`` then ``backward`` on two streams with ``hardware``'s costs.
-
-    ``compute_dtype`` sets the matmul rate (the parameters' compute dtype).
-    """
+    """Replay ``forward`` then ``backward`` on two streams with ``hardware``'s costs, matmuls in ``compute_dtype``."""
     compute_clock = comm_clock = 0.0
     spans, stalls, collective_end, node_end_times = [], {}, {}, []
     total_compute = total_comm = exposed = 0.0
@@ -91,13 +86,7 @@ def simulate(
             node_end_times.append(compute_clock)
     step_time = max(compute_clock, comm_clock)
     return Prediction(
-        step_time=step_time,
-        compute_time=total_compute,
-        communication_time=total_comm,
-        exposed_communication=exposed + (step_time - compute_clock),
-        lower_bound=max(total_compute, total_comm),
-        memory=memory_profile(forward, backward),
-        spans=spans,
-        stalls=stalls,
-        node_end_times=node_end_times,
-    )
+        step_time=step_time, compute_time=total_compute, communication_time=total_comm,
+        exposed_communication=exposed + (step_time - compute_clock),  # communication that outlasts the compute
+        lower_bound=max(total_compute, total_comm), memory=memory_profile(forward, backward),
+        spans=spans, stalls=stalls, node_end_times=node_end_times)
