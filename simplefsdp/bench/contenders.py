@@ -22,8 +22,7 @@ PASSES_OFF = {"buckets": None, "reorder": False}
 class Contender:
     """A way to train the model: ``wrap`` turns the freshly built model into the module to train.
 
-    ``compiled``: it must compile graphs of its own; ``distributed``: it trains the global batch across ranks.
-    """
+    ``compiled``: it must compile graphs of its own; ``distributed``: it trains the global batch across ranks."""
 
     name: str
     summary: str

@@ -74,8 +74,7 @@ class TimedRun:
     def __init__(self, contender: Contender, args: argparse.Namespace, tokens: torch.Tensor) -> None:
         self.contender, self.args, self.tokens = contender, args, tokens
         self.model, self.optimizer = build(contender, args)
-        self.times: list[float] = []
-        self.losses: list[float] = []
+        self.times, self.losses = [], []
 
     def step(self, step: int) -> None:
         batch = step_batch(self.args, self.tokens, step)

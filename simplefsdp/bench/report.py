@@ -106,17 +106,12 @@ def write_chart(results: dict, path: str | Path) -> Path:
 
 
 def report(results: dict, json_path: str | None, plot_path: str | None) -> int:
-    """Print the table, notes and verdicts; write the JSON and the chart; 1 when loss parity fails, else 0.
-
-    ``plot_path`` None: the chart goes to ``runs/bench.png``, or is skipped in one line without matplotlib.
-    """
+    """Print the table, notes and verdicts; write the JSON and the chart; 1 when loss parity fails, else 0."""
     parity_ok, parity = check_parity(results)
     print(f"\n{_workload(results)}, {results['steps']} measured steps after {results['warmup']} warm-up, "
           f"torch {results['torch']}, {results['cpu_cores']} CPU cores, compile backend {results['compile_backend']}\n")
-    print(format_table(results))
-    print()
-    for line in [*(f"- {name}: {text}" for name, text in results["methods"].items()), *parity]:
-        print(line)
+    print(format_table(results), end="\n\n")
+    print("\n".join([*(f"- {name}: {text}" for name, text in results["methods"].items()), *parity]))
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(results, indent=1) + "\n")

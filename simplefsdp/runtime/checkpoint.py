@@ -96,10 +96,9 @@ def check_compatible(path: Path, model_state: dict[str, torch.Tensor]) -> None:
         if not isinstance(entry, TensorStorageMetadata):
             raise ValueError(f"checkpoint {path} has no parameter {name!r}: it was saved from a different model")
         if tuple(entry.size) != tuple(tensor.shape):
-            raise ValueError(
-                f"checkpoint {path} holds parameter {name!r} with shape {tuple(entry.size)}, but the model's is "
-                f"{tuple(tensor.shape)}: it was saved from a different model; build the same model to resume"
-            )
+            raise ValueError(f"checkpoint {path} holds parameter {name!r} with shape {tuple(entry.size)}, but the "
+                             f"model's is {tuple(tensor.shape)}: it was saved from a different model; build the same "
+                             "model to resume")
     unexpected = sorted({key[len("model."):] for key in saved if key.startswith("model.")} - set(model_state))
     if unexpected:
         raise ValueError(f"checkpoint {path} has parameter {unexpected[0]!r} that the model lacks: different model")

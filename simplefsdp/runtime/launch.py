@@ -43,9 +43,6 @@ def describe_failures(failures: dict) -> str:
         return (failure.exitcode == -signal.SIGTERM, failure.exitcode >= 0, failure.timestamp, rank)
 
     ordered = sorted(failures.items(), key=likely_cause_first)
-    parts = [
-        f"rank {rank} {'was killed by ' + failure.signal_name() if failure.exitcode < 0 else 'failed'} "
-        f"(exit code {failure.exitcode})"
-        for rank, failure in ordered
-    ]
+    parts = [f"rank {rank} {'was killed by ' + failure.signal_name() if failure.exitcode < 0 else 'failed'} "
+             f"(exit code {failure.exitcode})" for rank, failure in ordered]
     return parts[0] + (f", then {', '.join(parts[1:])}" if parts[1:] else "")

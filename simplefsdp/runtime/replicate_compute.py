@@ -1,10 +1,9 @@
 """The replicate-for-compute getter: how the forward reads a sharded parameter.
 
-Reading ``module.weight`` gathers the DTensor shard into a full local tensor
-(all-gather for ``Shard``, nothing for ``Replicate``), cast to the compute dtype.
-Its backward turns the local gradient into a ``Partial("avg")`` DTensor and
-reduces it back to the parameter's placement: reduce-scatter, all-reduce, or both.
-With gradient sync off (``grad_sync.py``) the gradient goes to an accumulator instead.
+Reading ``module.weight`` gathers the DTensor shard into a full local tensor (all-gather for ``Shard``, nothing for
+``Replicate``), cast to the compute dtype. Its backward turns the local gradient into a ``Partial("avg")`` DTensor and
+reduces it back to the parameter's placement: reduce-scatter, all-reduce, or both. With gradient sync off
+(``grad_sync.py``) the gradient goes to an accumulator instead.
 """
 
 from __future__ import annotations
@@ -83,9 +82,7 @@ class ReplicateComputation:
 def install_getters(module: nn.Module, accumulators: dict[str, torch.Tensor], replicate: ReplicateComputation) -> None:
     """Make ``module.<name>`` return ``replicate(module._parameters[name], accumulators[name])``.
 
-    The module's class is swapped for a subclass with one property per name, so
-    ``state_dict`` and ``named_parameters`` still see the sharded parameters.
-    """
+    By a subclass with one property per name, so ``state_dict`` and ``named_parameters`` still see the shards."""
     module._grad_accumulators = accumulators
     cls = module._class_without_getters = module.__class__
     getters = {name: property(functools.partial(_read_parameter, name=name, replicate=replicate))
