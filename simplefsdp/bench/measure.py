@@ -130,9 +130,8 @@ def profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.T
         cuda_peak = torch.cuda.max_memory_allocated() if device_type() == "cuda" else None
         del model, optimizer
     counts = read_profile(prof, dist.get_backend())
-    if cuda_peak is not None:
-        counts["peak_bytes"] = cuda_peak
-    peaks = gather([counts.pop("peak_bytes")])
+    cpu_peak = counts.pop("peak_bytes")
+    peaks = gather([cpu_peak if cuda_peak is None else cuda_peak])
     return {**counts, "peak_bytes_per_rank": int(peaks.max().item())}
 
 

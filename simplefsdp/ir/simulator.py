@@ -48,9 +48,7 @@ class Prediction:
     @property
     def overlap_fraction(self) -> float:
         """Share of communication time hidden behind compute (1.0 when there is none)."""
-        if self.communication_time == 0:
-            return 1.0
-        return max(0.0, 1.0 - self.exposed_communication / self.communication_time)
+        return max(0.0, 1.0 - self.exposed_communication / self.communication_time) if self.communication_time else 1.0
 
     def stall(self, phase: str, name: str) -> float:
         """Seconds the compute stream waited on the collective ``name`` of ``phase`` (0.0: hidden)."""

@@ -68,7 +68,6 @@ class OverlapPasses(CustomGraphPass):
             yield PassStage("reordered", read_schedule(gm, phase, param_fqns), reorder_plan)
 
     def plan_buckets(self, schedule: Schedule) -> BucketPlan:
-        """The bucket plan of ``schedule`` for this pass's options."""
         if self.buckets == "auto":
             return plan_auto_buckets(schedule, get_profile(self.hardware), self.memory_budget, self.prefetch)
         return plan_buckets(schedule, self.buckets)

@@ -34,8 +34,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     root = Path(root)
     if not root.is_dir():
         return None
-    steps = [(int(match[1]), path) for path in root.iterdir() if (match := _COMPLETE.match(path.name))]
-    complete = [(step, path) for step, path in steps if (path / ".metadata").is_file()]
+    complete = [(int(match[1]), path) for path in root.iterdir()
+                if (match := _COMPLETE.match(path.name)) and (path / ".metadata").is_file()]
     return max(complete)[1] if complete else None
 
 

@@ -11,11 +11,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale ``model``'s gradients in place so their total ``norm_type``-norm is at most ``max_norm``.
+    """``torch.nn.utils.clip_grad_norm_`` of the unsharded model, with one all-reduce over the sharding mesh dimension.
 
-    As ``torch.nn.utils.clip_grad_norm_`` on the unsharded model, with one all-reduce over the sharding mesh
-    dimension; returns the total norm before clipping (a plain tensor).
-    """
+    Scales the gradients in place to a total ``norm_type``-norm of at most ``max_norm``; returns the norm before."""
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")

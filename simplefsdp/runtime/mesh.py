@@ -38,10 +38,8 @@ def default_mesh(mode: str) -> DeviceMesh:
     if mode == "hybrid_shard":
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if world % per_node:
-            raise ValueError(
-                f"hybrid_shard needs the world ({world} ranks) to split evenly into nodes of {per_node}; "
-                "pass mesh=init_device_mesh(device, (replicas, shards)) explicitly"
-            )
+            raise ValueError(f"hybrid_shard needs the world ({world} ranks) to split evenly into nodes of {per_node}; "
+                             "pass mesh=init_device_mesh(device, (replicas, shards)) explicitly")
         return init_device_mesh(device_type(), (world // per_node, per_node), mesh_dim_names=MESH_DIM_NAMES[mode])
     return init_device_mesh(device_type(), (world,), mesh_dim_names=MESH_DIM_NAMES[mode])
 
@@ -53,7 +51,5 @@ def check_mesh(mesh: DeviceMesh, mode: str) -> None:
     wanted = len(MESH_DIM_NAMES[mode])
     if mesh.ndim != wanted:
         shape = "(replicas, shards)" if wanted == 2 else "(world_size,)"
-        raise ValueError(
-            f"mode={mode!r} needs a {wanted}-D mesh but got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; "
-            f"build one with init_device_mesh(device, {shape})"
-        )
+        raise ValueError(f"mode={mode!r} needs a {wanted}-D mesh but got a {mesh.ndim}-D mesh of shape "
+                         f"{tuple(mesh.shape)}; build one with init_device_mesh(device, {shape})")
