@@ -118,7 +118,7 @@ def load_profile(path: Path) -> HardwareProfile:
     return HardwareProfile(**json.loads(Path(path).read_text()))
 
 
-def cpu_profile(refresh: bool = False) -> HardwareProfile:
+def cpu_profile() -> HardwareProfile:
     """The ``cpu`` profile of this machine, cached per host, core count and torch version; measuring takes ~10 s."""
     key = f"{platform.node()}-{os.cpu_count()}cores-torch{torch.__version__}".replace(os.sep, "_")
     path = CACHE_DIR / f"cpu-{key}.json"
@@ -129,7 +129,7 @@ def cpu_profile(refresh: bool = False) -> HardwareProfile:
         return measure_cpu_profile()
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # every rank of a job may ask at once: one measures, the others wait
-        if path.is_file() and not refresh:
+        if path.is_file():
             try:
                 return load_profile(path)
             except (TypeError, ValueError):  # written by a version with other fields: measure again
@@ -197,19 +197,18 @@ def _copy_bandwidth() -> float:
     return 2 * source.nbytes / _median_seconds(lambda: target.copy_(source))
 
 
-def _tiny_ops(x: torch.Tensor) -> torch.Tensor:
-    for _ in range(100):
-        x = (x + 1).view(-1)
-    return x
-
-
 def _dispatch_overhead() -> float:
     """Seconds per node of running a graph of tiny ops the way ``simplefsdp.ir.capture`` runs graphs."""
     from torch import fx
 
     from simplefsdp.ir.capture import run_boxed
 
-    gm = fx.symbolic_trace(_tiny_ops)
+    def tiny_ops(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(100):
+            x = (x + 1).view(-1)
+        return x
+
+    gm = fx.symbolic_trace(tiny_ops)
     run = run_boxed(gm)
     nodes = sum(1 for node in gm.graph.nodes if node.op in ("call_function", "call_method"))
     return _median_seconds(lambda: run([torch.ones(8)])) / nodes

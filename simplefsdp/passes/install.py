@@ -1,9 +1,8 @@
 """Our passes as one Inductor ``post_grad_custom_post_pass``, scoped to one compiled model.
 
-``OverlapPasses.stages`` is the one code path, for Inductor and for ``simplefsdp.inspect``: read a post-grad graph
-into a schedule, plan and apply bucketing, then reordering, yielding the schedule after each step. It goes into the
-``torch.compile(options=...)`` of one model only, so other models compiled in the process are unaffected; its
-``uuid()`` hashes the options and the source of ``passes/`` and ``ir/``, so Inductor's FX graph cache stays valid.
+``OverlapPasses`` goes into the ``torch.compile(options=...)`` of one model only, so other models compiled in the
+process are unaffected; its ``uuid()`` hashes the options and the source of ``passes/`` and ``ir/``, so Inductor's FX
+graph cache stays valid. ``stages`` is the one code path of the passes, for Inductor and for ``simplefsdp.inspect``.
 """
 
 from __future__ import annotations

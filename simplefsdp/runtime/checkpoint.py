@@ -51,20 +51,15 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     with stored_parameters(model):
         model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state, "step": step}, checkpoint_id=partial)
-    if is_writer:
-        _replace(partial, final)
+    if is_writer:  # the complete checkpoint replaces one of the same step
+        stale = final.with_name(f".{final.name}.stale")
+        shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():
+            final.rename(stale)
+        partial.rename(final)
+        shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
     return final
-
-
-def _replace(source: Path, target: Path) -> None:
-    """Rename ``source`` to ``target``, replacing an existing ``target`` directory."""
-    stale = target.with_name(f".{target.name}.stale")
-    shutil.rmtree(stale, ignore_errors=True)
-    if target.exists():
-        target.rename(stale)
-    source.rename(target)
-    shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:

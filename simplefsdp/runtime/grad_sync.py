@@ -58,13 +58,11 @@ class _AddPending(torch.autograd.Function):
         return (grad.to(ctx.pending.dtype) + ctx.pending).to(grad.dtype), None
 
 
-def route_to_accumulator(full: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
-    """``full`` for the forward; its gradient accumulates unreduced in ``accumulator.grad``."""
-    return _RouteGradient.apply(full.detach(), accumulator)
-
-
-def add_pending(full: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
-    """``full`` for the forward; its gradient includes the sum pending in ``accumulator.grad``, if any."""
+def route_gradient(full: torch.Tensor, accumulator: torch.Tensor, sync: GradientSync) -> torch.Tensor:
+    """``full`` for the forward; its gradient accumulates unreduced in ``accumulator.grad`` with sync off, and with
+    sync on it includes the sum pending there, if any."""
+    if not sync.enabled:
+        return _RouteGradient.apply(full.detach(), accumulator)
     return full if accumulator.grad is None else _AddPending.apply(full, accumulator.grad)
 
 

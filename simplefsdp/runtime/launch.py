@@ -14,10 +14,7 @@ def is_launched_rank() -> bool:
 
 
 def launch_local_ranks(nproc: int, module_argv: list[str]) -> int:
-    """Run ``python -m simplefsdp <module_argv>`` on ``nproc`` local ranks as ``torchrun --standalone``; its exit code.
-
-    A failed rank ends the job, named on stderr. Each rank gets an equal share of the cores unless ``OMP_NUM_THREADS``.
-    """
+    """Run ``python -m simplefsdp <module_argv>`` on ``nproc`` local ranks like ``torchrun --standalone``; exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 

@@ -18,10 +18,11 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_distributed(timeout: timedelta = timedelta(minutes=5)) -> None:
+def init_distributed() -> None:
     """Start the default process group (NCCL on GPUs, gloo on CPUs) once: from ``torchrun``, else a 1-rank world."""
     if dist.is_initialized():
         return
+    timeout = timedelta(minutes=5)
     backend = "nccl" if device_type() == "cuda" else "gloo"
     if device_type() == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from simplefsdp.runtime.activation_checkpoint import checkpoint_context
-from simplefsdp.runtime.grad_sync import GradientSync, add_pending, route_to_accumulator
+from simplefsdp.runtime.grad_sync import GradientSync, route_gradient
 
 
 def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -68,10 +68,7 @@ class ReplicateComputation:
 
     def compute_view(self, param: DTensor, accumulator: torch.Tensor) -> torch.Tensor:
         """The gathered parameter; with sync off its gradient goes to ``accumulator`` unreduced."""
-        full = self.gather(param)
-        if self.sync.enabled:
-            return add_pending(full, accumulator)
-        return route_to_accumulator(full, accumulator)
+        return route_gradient(self.gather(param), accumulator, self.sync)
 
     def __call__(self, param: DTensor, accumulator: torch.Tensor) -> torch.Tensor:
         if self.reshard_after_forward:
