@@ -1,4 +1,4 @@
-"""Compare simplefsdp with FSDP2, DDP, FSDP1 and a local baseline: ``python -m simplefsdp bench`` as a script.
+"""Compare simplefsdp with FSDP2, DDP and a local baseline: ``python -m simplefsdp bench`` as a script.
 
     python benchmarks/compare.py --model cpu-small --nproc 2 [bench options]
 

@@ -17,12 +17,8 @@ from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
-from simplefsdp.runtime.sharding import (
-    broadcast_buffers,
-    check_not_sharded,
-    check_same_model_on_all_ranks,
-    shard_parameters,
-)
+from simplefsdp.runtime.sharding import (broadcast_buffers, check_not_sharded, check_same_model_on_all_ranks,
+                                         shard_parameters)
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -44,19 +40,16 @@ def compile_sharded(
 ) -> ModuleT | Callable[[ModuleT], ModuleT]:
     """Shard ``model``'s parameters over the data-parallel mesh and compile its forward, in place.
 
-    ``mode``: ``"fully_shard"`` (1-D mesh, ZeRO-3), ``"replicate"`` (1-D mesh, DDP-like) or
-    ``"hybrid_shard"`` (2-D ``(replicate, shard)`` mesh). ``mesh`` defaults to the whole world.
-    Returns the same module, with FSDP2's ``set_requires_gradient_sync(flag)`` and a
-    ``no_sync()`` context manager for gradient accumulation without communication.
-    Called without ``model`` it returns a decorator.
-    Every argument is checked before any collective runs.
+    ``mode``: ``"fully_shard"`` (1-D mesh, ZeRO-3), ``"replicate"`` (1-D mesh, DDP-like) or ``"hybrid_shard"``
+    (2-D ``(replicate, shard)`` mesh); ``mesh`` defaults to the whole world. Returns the same module, with FSDP2's
+    ``set_requires_gradient_sync(flag)`` and a ``no_sync()`` context manager for gradient accumulation without
+    communication; called without ``model``, a decorator. Every argument is checked before any collective runs.
 
-    With the Inductor backend our passes bucket and reorder the collectives of
-    both graphs: ``buckets`` is ``"auto"`` (cost model, within ``memory_budget``
-    bytes of gathered parameters in flight), ``"block"`` (one bucket per
-    repeated block, plus head and tail), ``None``, or a manual plan of module
-    names (``[["tok_embeddings"], ["layers.0"], ...]``); ``reorder`` prefetches
-    all-gathers ``prefetch`` buckets ahead and sinks waits.
+    With the Inductor backend our passes bucket and reorder the collectives of both graphs: ``buckets`` is ``"auto"``
+    (cost model, within ``memory_budget`` bytes of gathered parameters in flight), ``"block"`` (one bucket per
+    repeated block, plus head and tail), ``None``, or a manual plan of module names
+    (``[["tok_embeddings"], ["layers.0"], ...]``); ``reorder`` prefetches all-gathers ``prefetch`` buckets ahead and
+    sinks waits.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
@@ -71,10 +64,8 @@ def compile_sharded(
             memory_budget=memory_budget, **compile_options,
         )
     if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"compile_sharded expects a torch.nn.Module, got {type(model).__name__}; "
-            "wrap plain functions in an nn.Module first"
-        )
+        raise TypeError(f"compile_sharded expects a torch.nn.Module, got {type(model).__name__}; "
+                        "wrap plain functions in an nn.Module first")
     passes = compile and backend == "inductor" and (buckets is not None or reorder)
     if passes:
         check_no_custom_post_pass(compile_options)
@@ -92,11 +83,8 @@ def compile_sharded(
     check_same_model_on_all_ranks(model, mesh)
     if not on_meta:
         broadcast_buffers(model, mesh)
-    replicate = ReplicateComputation(
-        param_dtype=mp_policy.param_dtype,
-        reduce_dtype=mp_policy.reduce_dtype,
-        reshard_after_forward=reshard_after_forward and mode != "replicate",
-    )
+    replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,
+                                     reshard_after_forward=reshard_after_forward and mode != "replicate")
     shard_parameters(model, mesh, mode, replicate)
     if mp_policy.param_dtype is not None:
         cast_floating_inputs(model, mp_policy.param_dtype)

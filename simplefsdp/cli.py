@@ -1,7 +1,6 @@
 """The ``simplefsdp`` command line: ``train``, ``inspect`` and ``bench``, each option shared by several defined once.
 
-Each command runs a library function on the parsed options (``train.run``, ``inspection.run``,
-``bench.run``); those modules never import this one.
+Each command runs a library function on the parsed options; those modules never import this one.
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ def _workload(model: str, batch_size: int, seq_len: int | None, dtypes: tuple) -
 
 
 def _sharding() -> argparse.ArgumentParser:
-    """compile_sharded's --mode, --no-reshard and pass options: --buckets, --no-reorder, --prefetch, --memory-budget."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--mode", default="fully_shard", choices=MODES)
     parser.add_argument("--no-reshard", dest="reshard_after_forward", action="store_false",
@@ -72,7 +70,6 @@ def _sharding() -> argparse.ArgumentParser:
 
 
 def _local_ranks() -> argparse.ArgumentParser:
-    """--nproc, --seed, --lr and --backend of the commands that train on local ranks."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--nproc", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
     parser.add_argument("--seed", type=int, default=0)
@@ -111,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "timeline.svg, timeline.png (with matplotlib) and trace.json")
     command.set_defaults(run=inspection.run)
 
-    command = commands.add_parser("bench", help="compare simplefsdp with FSDP2, DDP, FSDP1 and a local baseline, "
-                                  "side by side", parents=[_workload("cpu-small", 4, 128, (None, None)), _local_ranks()])
+    command = commands.add_parser("bench", help="compare simplefsdp with FSDP2, DDP and a local baseline, side by side",
+                                  parents=[_workload("cpu-small", 4, 128, (None, None)), _local_ranks()])
     command.add_argument("--steps", type=int, default=20, help="measured steps per contender")
     command.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation happens here)")
     command.add_argument("--only", type=contenders_arg, default=None, help=f"NAME[,NAME] of: {', '.join(CONTENDER_NAMES)}")

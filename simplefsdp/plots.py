@@ -13,12 +13,11 @@ from simplefsdp.ir.render import format_bytes, format_seconds, span_colours
 from simplefsdp.ir.schedule import Schedule
 from simplefsdp.ir.simulator import Prediction
 
-INSTALL = "pip install 'simplefsdp[plot]'"
-
 
 def missing() -> str | None:
     """Why charts cannot be drawn here (matplotlib missing, and how to install it), or None when they can."""
-    return None if importlib.util.find_spec("matplotlib") else f"matplotlib is not installed; {INSTALL}"
+    found = importlib.util.find_spec("matplotlib")
+    return None if found else "matplotlib is not installed; pip install 'simplefsdp[plot]'"
 
 
 def _figure(width: float, height: float, rows: int = 1, **subplots):

@@ -1,4 +1,4 @@
-"""``simplefsdp bench``: simplefsdp side by side with eager FSDP2, FSDP2 + compile, DDP, FSDP1 and a local floor.
+"""``simplefsdp bench``: simplefsdp side by side with eager FSDP2, FSDP2 + compile, DDP and a local floor.
 
 One launch of ``--nproc`` ranks runs every contender (``contenders``) on the same processes, seed, batches and load
 (``measure``: warm-up, interleaved timed steps, then a profiled step read by ``profiling``). The launching process
@@ -25,10 +25,7 @@ def _fail(message: str) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    """Run the comparison on ``--nproc`` local ranks (or this torchrun rank), then report; 1 on a parity failure.
-
-    Bad options, and ``--plot`` without matplotlib, exit with a message before any rank starts.
-    """
+    """Run the comparison on ``--nproc`` local ranks (or this torchrun rank), then report; 1 on a parity failure."""
     if args.plot and (reason := plots.missing()):
         _fail(f"--plot {args.plot}: {reason}")
     if args.from_json:
@@ -53,6 +50,4 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         output = Path(scratch) / "results.json"
         code = launch_local_ranks(args.nproc, [*argv, "--rank-output", str(output)])
-        if code:
-            return code
-        return report({**json.loads(output.read_text()), "command": command}, args.json, args.plot)
+        return code or report({**json.loads(output.read_text()), "command": command}, args.json, args.plot)

@@ -22,8 +22,7 @@ PASSES_OFF = {"buckets": None, "reorder": False}
 class Contender:
     """A way to train the model: ``wrap`` turns the freshly built model into the module to train.
 
-    ``compiled``: it must compile graphs of its own; ``distributed``: it trains the global batch across ranks.
-    """
+    ``compiled``: it must compile graphs of its own; ``distributed``: it trains the global batch across ranks."""
 
     name: str
     summary: str
@@ -58,17 +57,6 @@ def _ddp_compiled(model: nn.Module, args: argparse.Namespace) -> nn.Module:
     return ddp
 
 
-def _fsdp1(model: nn.Module, args: argparse.Namespace) -> nn.Module:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.distributed.fsdp import MixedPrecision as FSDP1MixedPrecision
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    return FullyShardedDataParallel(
-        model, auto_wrap_policy=ModuleWrapPolicy({type(model.layers[0])}), use_orig_params=True,
-        mixed_precision=FSDP1MixedPrecision(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype),
-    )
-
-
 def _local(model: nn.Module, args: argparse.Namespace) -> nn.Module:
     """The plain model, compiled. Dynamo caches graphs per code object and reuses one wherever its guards
     pass, so the model's class becomes a subclass of its own: no other contender's graph fits it."""
@@ -85,7 +73,6 @@ CONTENDERS = [
     Contender("fsdp2-compile", "fully_shard on each block and the root, each block torch.compile'd",
               partial(_fsdp2, compile_blocks=True)),
     Contender("ddp-compile", "DistributedDataParallel, torch.compile'd (full precision)", _ddp_compiled),
-    Contender("fsdp1", "FullyShardedDataParallel, one unit per block, eager", _fsdp1, compiled=False),
     Contender("local", "one process per rank, its own per-rank batch, no communication, compiled (full precision)",
               _local, distributed=False),
 ]

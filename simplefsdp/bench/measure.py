@@ -31,7 +31,7 @@ METHODS = {
     "comm": "summed duration of the backend's own collective events (e.g. gloo:all_gather, on its worker threads) "
             "in the profiled step, and its share of that step's duration (the profiler slows the step)",
     "wait": "summed duration of _c10d_functional::wait_tensor events (compiled graphs); n/a where collectives are "
-            "waited on in Work.wait(), which the profiler does not record (eager FSDP2, FSDP1, DDP); in the "
+            "waited on in Work.wait(), which the profiler does not record (eager FSDP2, DDP); in the "
             "profiled step, with its share of that step's duration",
 }
 
@@ -74,8 +74,7 @@ class TimedRun:
     def __init__(self, contender: Contender, args: argparse.Namespace, tokens: torch.Tensor) -> None:
         self.contender, self.args, self.tokens = contender, args, tokens
         self.model, self.optimizer = build(contender, args)
-        self.times: list[float] = []
-        self.losses: list[float] = []
+        self.times, self.losses = [], []
 
     def step(self, step: int) -> None:
         batch = step_batch(self.args, self.tokens, step)
@@ -131,9 +130,8 @@ def profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.T
         cuda_peak = torch.cuda.max_memory_allocated() if device_type() == "cuda" else None
         del model, optimizer
     counts = read_profile(prof, dist.get_backend())
-    if cuda_peak is not None:
-        counts["peak_bytes"] = cuda_peak
-    peaks = gather([counts.pop("peak_bytes")])
+    cpu_peak = counts.pop("peak_bytes")
+    peaks = gather([cpu_peak if cuda_peak is None else cuda_peak])
     return {**counts, "peak_bytes_per_rank": int(peaks.max().item())}
 
 

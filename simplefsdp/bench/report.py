@@ -16,11 +16,10 @@ DEFAULT_PLOT = "runs/bench.png"
 
 
 def _tolerance(results: dict) -> tuple[float, float]:
-    """``(rtol, atol)`` for the loss check: ``torch.testing.assert_close``'s defaults for the parameter
-    dtype (fp32: 1.3e-6, 1e-5); ``(0, 0)``, bitwise, for ``aot_eager`` in full fp32, where simplefsdp and
-    FSDP2 do the same arithmetic. With a lower ``param_dtype`` they do not: FSDP2 (as torchtitan
-    configures it) also casts each sharded module's floating-point forward inputs, here the fp32
-    rotary table, while simplefsdp casts only parameters."""
+    """``(rtol, atol)`` for the loss check: ``torch.testing.assert_close``'s defaults for the parameter dtype (fp32:
+    1.3e-6, 1e-5); ``(0, 0)``, bitwise, for ``aot_eager`` in full fp32, where simplefsdp and FSDP2 do the same
+    arithmetic. With a lower ``param_dtype`` they do not: FSDP2 (as torchtitan configures it) also casts each sharded
+    module's floating-point forward inputs, here the fp32 rotary table, while simplefsdp casts only parameters."""
     dtype = getattr(torch, results["param_dtype"] or "float32")
     full_fp32 = dtype == torch.float32 and results["reduce_dtype"] in (None, "float32")
     if results["compile_backend"] == "aot_eager" and full_fp32:
@@ -37,10 +36,8 @@ def check_parity(results: dict) -> tuple[bool, list[str]]:
     rtol, atol = _tolerance(results)
     rule = "bitwise" if rtol == atol == 0 else f"rtol {rtol:g}, atol {atol:g}"
     ok, lines = True, []
-    for name in CHECKED:
-        row = rows.get(name)
-        if row is None:
-            continue
+    for name in [name for name in CHECKED if name in rows]:
+        row = rows[name]
         if row["status"] != "ok":
             ok = False
             lines.append(f"loss parity: FAIL: {name} did not run ({row['reason']})")
@@ -106,17 +103,12 @@ def write_chart(results: dict, path: str | Path) -> Path:
 
 
 def report(results: dict, json_path: str | None, plot_path: str | None) -> int:
-    """Print the table, notes and verdicts; write the JSON and the chart; 1 when loss parity fails, else 0.
-
-    ``plot_path`` None: the chart goes to ``runs/bench.png``, or is skipped in one line without matplotlib.
-    """
+    """Print the table, notes and verdicts; write the JSON and the chart; 1 when loss parity fails, else 0."""
     parity_ok, parity = check_parity(results)
     print(f"\n{_workload(results)}, {results['steps']} measured steps after {results['warmup']} warm-up, "
           f"torch {results['torch']}, {results['cpu_cores']} CPU cores, compile backend {results['compile_backend']}\n")
-    print(format_table(results))
-    print()
-    for line in [*(f"- {name}: {text}" for name, text in results["methods"].items()), *parity]:
-        print(line)
+    print(format_table(results), end="\n\n")
+    print("\n".join([*(f"- {name}: {text}" for name, text in results["methods"].items()), *parity]))
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(results, indent=1) + "\n")

@@ -99,10 +99,8 @@ def get_profile(hardware: str | HardwareProfile) -> HardwareProfile:
         return cpu_profile()
     if str(hardware).endswith(".json") and Path(hardware).is_file():
         return load_profile(Path(hardware))
-    raise ValueError(
-        f"unknown hardware profile {hardware!r}; use one of {', '.join(PROFILE_NAMES)} "
-        "or the path of a JSON file with HardwareProfile's fields"
-    )
+    raise ValueError(f"unknown hardware profile {hardware!r}; use one of {', '.join(PROFILE_NAMES)} "
+                     "or the path of a JSON file with HardwareProfile's fields")
 
 
 def gpu_profile(device_name: str) -> HardwareProfile | None:
@@ -120,11 +118,8 @@ def load_profile(path: Path) -> HardwareProfile:
     return HardwareProfile(**json.loads(Path(path).read_text()))
 
 
-def cpu_profile(refresh: bool = False) -> HardwareProfile:
-    """The ``cpu`` profile of this machine: cached (per host, core count and torch version), else measured and cached.
-
-    ``refresh`` measures again, as does a cache file this version cannot read. Measuring takes about ten seconds.
-    """
+def cpu_profile() -> HardwareProfile:
+    """The ``cpu`` profile of this machine, cached per host, core count and torch version; measuring takes ~10 s."""
     key = f"{platform.node()}-{os.cpu_count()}cores-torch{torch.__version__}".replace(os.sep, "_")
     path = CACHE_DIR / f"cpu-{key}.json"
     try:
@@ -134,7 +129,7 @@ def cpu_profile(refresh: bool = False) -> HardwareProfile:
         return measure_cpu_profile()
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # every rank of a job may ask at once: one measures, the others wait
-        if path.is_file() and not refresh:
+        if path.is_file():
             try:
                 return load_profile(path)
             except (TypeError, ValueError):  # written by a version with other fields: measure again
@@ -154,11 +149,7 @@ def measure_cpu_profile() -> HardwareProfile:
 
 
 def measure_cpu_profile_in_group() -> HardwareProfile:
-    """The ``cpu`` profile measured by this rank of a running gloo group; every rank must call it.
-
-    Matmul FLOP/s per dtype, copy bandwidth and per-node overhead with this process's threads, then the alpha-beta
-    fit of all-gathers between the group's ranks.
-    """
+    """The ``cpu`` profile measured with this process's threads by this rank of a gloo group; every rank calls it."""
     rates = {name: _matmul_rate(getattr(torch, name)) for name in ("float32", "bfloat16")}
     bandwidth, dispatch = _copy_bandwidth(), _dispatch_overhead()
     latency, gloo_bandwidth = _gloo_alpha_beta()
@@ -171,7 +162,7 @@ def measure_cpu_profile_in_group() -> HardwareProfile:
 
 
 def measuring_threads() -> int:
-    """Threads each of the two measuring ranks of ``measure_cpu_profile`` computes with: half the cores."""
+    """Threads each of ``measure_cpu_profile``'s two ranks computes with: half the cores."""
     return max(1, (os.cpu_count() or 1) // 2)
 
 
@@ -206,25 +197,21 @@ def _copy_bandwidth() -> float:
     return 2 * source.nbytes / _median_seconds(lambda: target.copy_(source))
 
 
-def _tiny_ops(x: torch.Tensor) -> torch.Tensor:
-    for _ in range(100):
-        x = (x + 1).view(-1)
-    return x
-
-
 def _dispatch_overhead() -> float:
     """Seconds per node of running a graph of tiny ops the way ``simplefsdp.ir.capture`` runs graphs."""
     from torch import fx
 
     from simplefsdp.ir.capture import run_boxed
 
-    gm = fx.symbolic_trace(_tiny_ops)
+    def tiny_ops(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(100):
+            x = (x + 1).view(-1)
+        return x
+
+    gm = fx.symbolic_trace(tiny_ops)
     run = run_boxed(gm)
     nodes = sum(1 for node in gm.graph.nodes if node.op in ("call_function", "call_method"))
     return _median_seconds(lambda: run([torch.ones(8)])) / nodes
-
-
-_GLOO_SIZES = (1 << 12, 1 << 22)  # bytes per all-gather output
 
 
 def _gloo_alpha_beta() -> tuple[float, float]:
@@ -235,11 +222,11 @@ def _gloo_alpha_beta() -> tuple[float, float]:
     """
     import torch.distributed as dist
 
-    ranks = dist.get_world_size()
+    ranks, sizes = dist.get_world_size(), (1 << 12, 1 << 22)  # bytes per all-gather output
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     compute = _median_seconds(lambda: torch.mm(a, b), repeats=9)
     times = []
-    for size in _GLOO_SIZES:
+    for size in sizes:
         shard = torch.ones(size // 4 // ranks, dtype=torch.float32)
         output = torch.empty(size // 4, dtype=torch.float32)
 
@@ -250,5 +237,5 @@ def _gloo_alpha_beta() -> tuple[float, float]:
         times.append(_median_seconds(step, repeats=15) - compute)
     bus_fraction = (ranks - 1) / ranks  # a ring all-gather moves this share of the output through each rank
     small, large = times
-    bandwidth = bus_fraction * (_GLOO_SIZES[1] - _GLOO_SIZES[0]) / max(large - small, 1e-9)
-    return max(small - bus_fraction * _GLOO_SIZES[0] / bandwidth, 0.0), bandwidth
+    bandwidth = bus_fraction * (sizes[1] - sizes[0]) / max(large - small, 1e-9)
+    return max(small - bus_fraction * sizes[0] / bandwidth, 0.0), bandwidth

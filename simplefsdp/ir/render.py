@@ -17,11 +17,11 @@ _PHASE_COLOURS = {"forward": "#8fa8c8", "backward": "#9cc39c"}
 
 def format_bytes(size: float) -> str:
     """``1536`` → ``"1.50 KiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(size) < 1024:
             return f"{size:.0f} B" if unit == "B" else f"{size:.2f} {unit}"
         size /= 1024
-    raise AssertionError("unreachable")
+    return f"{size:.2f} GiB"
 
 
 def format_seconds(seconds: float) -> str:

@@ -1,11 +1,9 @@
 """Two-stream replay of a schedule: predicted step time, exposed communication, overlap, peak memory.
 
-The compute stream runs nodes in program order. A collective is issued when
-the compute stream reaches it and runs on the communication stream, after the
-collectives issued before it. A wait blocks the compute stream until its
-collective ends; that stall is exposed communication. The backward starts
-when the forward's compute stream ends. The lower bound of any schedule of
-these nodes on two streams is ``max(total compute, total communication)``.
+The compute stream runs nodes in program order. A collective is issued when the compute stream reaches it and runs
+on the communication stream, after the collectives issued before it. A wait blocks the compute stream until its
+collective ends; that stall is exposed communication. The backward starts when the forward's compute stream ends.
+The lower bound of any schedule of these nodes on two streams is ``max(total compute, total communication)``.
 """
 
 from __future__ import annotations
@@ -50,9 +48,7 @@ class Prediction:
     @property
     def overlap_fraction(self) -> float:
         """Share of communication time hidden behind compute (1.0 when there is none)."""
-        if self.communication_time == 0:
-            return 1.0
-        return max(0.0, 1.0 - self.exposed_communication / self.communication_time)
+        return max(0.0, 1.0 - self.exposed_communication / self.communication_time) if self.communication_time else 1.0
 
     def stall(self, phase: str, name: str) -> float:
         """Seconds the compute stream waited on the collective ``name`` of ``phase`` (0.0: hidden)."""
@@ -62,10 +58,7 @@ class Prediction:
 def simulate(
     forward: Schedule, backward: Schedule, hardware: HardwareProfile, compute_dtype: torch.dtype | None = None
 ) -> Prediction:
-    """Replay ``forward`` then ``backward`` on two streams with ``hardware``'s costs.
-
-    ``compute_dtype`` sets the matmul rate (the parameters' compute dtype).
-    """
+    """Replay ``forward`` then ``backward`` on two streams with ``hardware``'s costs, matmuls in ``compute_dtype``."""
     compute_clock = comm_clock = 0.0
     spans, stalls, collective_end, node_end_times = [], {}, {}, []
     total_compute = total_comm = exposed = 0.0
@@ -91,13 +84,7 @@ def simulate(
             node_end_times.append(compute_clock)
     step_time = max(compute_clock, comm_clock)
     return Prediction(
-        step_time=step_time,
-        compute_time=total_compute,
-        communication_time=total_comm,
-        exposed_communication=exposed + (step_time - compute_clock),
-        lower_bound=max(total_compute, total_comm),
-        memory=memory_profile(forward, backward),
-        spans=spans,
-        stalls=stalls,
-        node_end_times=node_end_times,
-    )
+        step_time=step_time, compute_time=total_compute, communication_time=total_comm,
+        exposed_communication=exposed + (step_time - compute_clock),  # communication that outlasts the compute
+        lower_bound=max(total_compute, total_comm), memory=memory_profile(forward, backward),
+        spans=spans, stalls=stalls, node_end_times=node_end_times)

@@ -1,11 +1,10 @@
 """Bucket planning: which collectives of one graph (a ``Schedule``) are merged into one, as plain data.
 
-A bucket never mixes collective kinds, process groups or dtypes: collectives that share a bucket name but differ in
-any of these form separate buckets under that name. Modes: ``None`` (no bucketing); ``"block"``, one bucket per
-repeated block (an FQN prefix ending in a list index, ``layers.0``) plus a ``head`` (before the blocks in the
-forward: the embedding) and a ``tail`` (after them: final norm and output; first in the backward); a manual plan,
-a list of lists of module FQN prefixes, where bucket ``i`` takes every collective under a prefix of list ``i`` and
-the rest stay unbucketed; ``"auto"``, see ``simplefsdp.passes.auto_buckets``.
+A bucket never mixes collective kinds, process groups or dtypes (such collectives form separate buckets of one name).
+Modes: ``None``; ``"block"``, one bucket per repeated block (an FQN prefix ending in a list index, ``layers.0``) plus
+a ``head`` (before the blocks in the forward: the embedding) and a ``tail`` (after them; first in the backward); a
+manual plan, lists of module FQN prefixes, bucket ``i`` taking every collective under list ``i`` and the rest staying
+unbucketed; ``"auto"``, see ``simplefsdp.passes.auto_buckets``.
 """
 
 from __future__ import annotations
@@ -73,17 +72,14 @@ def group_collectives(schedule: Schedule, names: dict[str, str]) -> BucketPlan:
             collective = node.collective
             key = (names[node.name], collective.kind, collective.group_name, collective.dtype)
             groups.setdefault(key, []).append(node)
-    buckets = [
+    return BucketPlan(schedule.phase, tuple(
         Bucket(name, kind, tuple(n.name for n in nodes), tuple(n.fqn for n in nodes))
-        for (name, kind, _, _), nodes in groups.items()
-    ]
-    return BucketPlan(schedule.phase, tuple(buckets))
+        for (name, kind, _, _), nodes in groups.items()))
 
 
 def block_of(fqn: str) -> str | None:
     """The repeated block ``fqn`` lies in (``layers.3.attention.wq`` → ``layers.3``), or None."""
-    match = _BLOCK.match(fqn)
-    return match.group(1) if match else None
+    return match.group(1) if (match := _BLOCK.match(fqn)) else None
 
 
 def block_names(schedule: Schedule, nodes: list[ScheduleNode]) -> dict[str, str]:
@@ -102,10 +98,8 @@ def _manual_names(schedule: Schedule, plan: Sequence[Sequence[str]]) -> dict[str
     for node in bucketable(schedule):
         matches = [prefixes for prefixes in plan if any(covers(prefix, node.fqn) for prefix in prefixes)]
         if len(matches) > 1:
-            raise ValueError(
-                f"module {node.fqn!r} is in {len(matches)} buckets of the manual plan ({matches}); "
-                "name each module in one bucket only"
-            )
+            raise ValueError(f"module {node.fqn!r} is in {len(matches)} buckets of the manual plan ({matches}); "
+                             "name each module in one bucket only")
         if matches:
             names[node.name] = "+".join(matches[0])
     return names

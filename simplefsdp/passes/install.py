@@ -1,13 +1,8 @@
 """Our passes as one Inductor ``post_grad_custom_post_pass``, scoped to one compiled model.
 
-``OverlapPasses`` reads each post-grad graph (forward or backward) into a
-schedule, plans and applies bucketing, then plans and applies reordering on the
-bucketed graph; ``OverlapPasses.stages`` is that one code path, and yields the
-schedule after each step, which is how ``simplefsdp.inspect`` shows the graphs
-before and after each pass. It is handed to ``torch.compile(options=...)`` of one model
-only (``inductor_options``), so other models compiled in the process are
-unaffected. Its ``uuid()`` hashes the source of this package's pass files and
-the options, so Inductor's FX graph cache stays valid when either changes.
+``OverlapPasses`` goes into the ``torch.compile(options=...)`` of one model only, so other models compiled in the
+process are unaffected; its ``uuid()`` hashes the options and the source of ``passes/`` and ``ir/``, so Inductor's FX
+graph cache stays valid. ``stages`` is the one code path of the passes, for Inductor and for ``simplefsdp.inspect``.
 """
 
 from __future__ import annotations
@@ -32,10 +27,7 @@ _SOURCES = sorted(Path(__file__).parent.glob("*.py")) + sorted((Path(__file__).p
 
 @dataclass(frozen=True)
 class PassStage:
-    """One graph after a step of the passes: ``name`` is ``"traced"``, ``"bucketed"`` or ``"reordered"``.
-
-    ``plan`` is what that step applied (``None`` for the traced graph).
-    """
+    """One graph after a step of the passes (``"traced"``, ``"bucketed"``, ``"reordered"``) and the plan it applied."""
 
     name: str
     schedule: Schedule
@@ -43,11 +35,7 @@ class PassStage:
 
 
 class OverlapPasses(CustomGraphPass):
-    """Bucket (``buckets``) then reorder (``reorder``, ``prefetch`` buckets ahead) one graph, in place.
-
-    ``plans`` collects what was planned for each graph compiled (bucket plan, reorder plan; ``None`` for a
-    pass that is off).
-    """
+    """Bucket then reorder one graph, in place; ``plans`` collects each compiled graph's (bucket, reorder) plans."""
 
     def __init__(self, buckets: BucketMode = "auto", reorder: bool = True, prefetch: int = 1,
                  memory_budget: int | None = None, hardware: str | HardwareProfile = "h100") -> None:
@@ -63,11 +51,7 @@ class OverlapPasses(CustomGraphPass):
         self.plans.append((plans.get("bucketed"), plans.get("reordered")))
 
     def stages(self, gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | None = None) -> Iterator[PassStage]:
-        """Run the passes on ``gm`` in place, yielding its schedule before them and after each pass that is on.
-
-        Each schedule is read (with ``param_fqns``, see ``read_schedule``) when its stage is reached; a pass
-        that is off yields no stage.
-        """
+        """Run the passes on ``gm`` in place, yielding its schedule before them and after each pass that is on."""
         schedule = read_schedule(gm, phase, param_fqns)
         yield PassStage("traced", schedule, None)
         if self.buckets is not None:
@@ -83,17 +67,13 @@ class OverlapPasses(CustomGraphPass):
             yield PassStage("reordered", read_schedule(gm, phase, param_fqns), reorder_plan)
 
     def plan_buckets(self, schedule: Schedule) -> BucketPlan:
-        """The bucket plan of ``schedule`` for this pass's options."""
         if self.buckets == "auto":
             return plan_auto_buckets(schedule, get_profile(self.hardware), self.memory_budget, self.prefetch)
         return plan_buckets(schedule, self.buckets)
 
-    def options(self) -> dict[str, Any]:
-        return dict(buckets=self.buckets, reorder=self.reorder, prefetch=self.prefetch,
-                    memory_budget=self.memory_budget, hardware=self.hardware)
-
     def uuid(self) -> bytes:
-        digest = hashlib.sha256(repr(sorted(self.options().items())).encode())
+        options = (self.buckets, self.reorder, self.prefetch, self.memory_budget, self.hardware)
+        digest = hashlib.sha256(repr(options).encode())
         for path in _SOURCES:
             digest.update(path.read_bytes())
         return digest.digest()
@@ -108,10 +88,8 @@ def graph_phase(graph: fx.Graph) -> str:
 def check_no_custom_post_pass(compile_options: dict[str, Any]) -> None:
     """Raise ``ValueError`` if the user's Inductor ``options`` already hold the hook our passes use."""
     if "post_grad_custom_post_pass" in (compile_options.get("options") or {}):
-        raise ValueError(
-            "options['post_grad_custom_post_pass'] is taken by simplefsdp's bucketing and reordering; "
-            "pass buckets=None, reorder=False to compile with your own pass instead"
-        )
+        raise ValueError("options['post_grad_custom_post_pass'] is taken by simplefsdp's bucketing and reordering; "
+                         "pass buckets=None, reorder=False to compile with your own pass instead")
 
 
 def inductor_options(passes: OverlapPasses, compile_options: dict[str, Any]) -> dict[str, Any]:

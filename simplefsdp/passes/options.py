@@ -20,9 +20,7 @@ def check_pass_options(model: nn.Module | None, buckets: Any, reorder: Any, pref
                 "(a list of lists of module names, e.g. [['tok_embeddings'], ['layers.0']])"
             )
     elif not _is_manual_plan(buckets):
-        raise TypeError(
-            f"buckets must be 'auto', 'block', None or a list of lists of module names, got {buckets!r}"
-        )
+        raise TypeError(f"buckets must be 'auto', 'block', None or a list of lists of module names, got {buckets!r}")
     elif model is not None:
         check_manual_plan(model, buckets)
     if not isinstance(reorder, bool):
@@ -36,8 +34,7 @@ def check_pass_options(model: nn.Module | None, buckets: Any, reorder: Any, pref
 def _is_manual_plan(buckets: Any) -> bool:
     return isinstance(buckets, (list, tuple)) and all(
         isinstance(bucket, (list, tuple)) and bucket and all(isinstance(name, str) for name in bucket)
-        for bucket in buckets
-    )
+        for bucket in buckets)
 
 
 def check_manual_plan(model: nn.Module, plan: list[list[str]]) -> None:
@@ -53,7 +50,5 @@ def check_manual_plan(model: nn.Module, plan: list[list[str]]) -> None:
         owner = name.rpartition(".")[0]
         holding = [bucket for bucket in plan if any(covers(prefix, owner) for prefix in bucket)]
         if len(holding) > 1:
-            raise ValueError(
-                f"parameter {name!r} is in {len(holding)} buckets of the manual plan ({holding}); "
-                "put each module in one bucket only"
-            )
+            raise ValueError(f"parameter {name!r} is in {len(holding)} buckets of the manual plan ({holding}); "
+                             "put each module in one bucket only")

@@ -1,21 +1,16 @@
 """Reordering for overlap: prefetch all-gathers, sink waits, and pin the order for Inductor.
 
-Plan (a pure function of a ``Schedule``): all-gathers in program order are
-buckets ``0..n-1`` (one per merged bucket, or per parameter when unbucketed).
-All-gather ``i + prefetch`` is issued right after the wait of all-gather ``i``,
-before bucket ``i``'s compute, and the first ``prefetch`` all-gathers at the
-start of the graph, before any compute (in the backward the output layer's
-re-gather then hides behind its weight-gradient matmul, which does not need
-it). In the backward the re-gathers already run in reverse block order, so the
-same rule prefetches them in reverse. Reduce-scatters stay where the bucketing
-put them (as soon as their gradients exist). Every wait, with its copy-out
-views, sinks to just before its first real user; a reduce-scatter's wait sinks
-no further than the next reduce-scatter, so at most two gradient buffers are
-in flight.
+Plan (a pure function of a ``Schedule``): all-gathers in program order are buckets ``0..n-1`` (one per merged
+bucket, or per parameter when unbucketed). All-gather ``i + prefetch`` is issued right after the wait of all-gather
+``i``, before bucket ``i``'s compute, and the first ``prefetch`` all-gathers at the start of the graph, before any
+compute (in the backward the output layer's re-gather then hides behind its weight-gradient matmul, which does not
+need it). In the backward the re-gathers already run in reverse block order, so the same rule prefetches them in
+reverse. Reduce-scatters stay where the bucketing put them (as soon as their gradients exist). Every wait, with its
+copy-out views, sinks to just before its first real user; a reduce-scatter's wait sinks no further than the next
+reduce-scatter, so at most two gradient buffers are in flight.
 
-Apply moves the nodes in the FX graph and pins the order: each bucket's first
-compute node depends on the all-gathers prefetched before it, and each sunk
-wait depends on the node before it, so Inductor's scheduler keeps the order.
+Apply moves the nodes in the FX graph and pins the order (each bucket's first compute node depends on the all-gathers
+prefetched before it, each sunk wait on the node before it), so Inductor's scheduler keeps it.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     root = Path(root)
     if not root.is_dir():
         return None
-    steps = [(int(match[1]), path) for path in root.iterdir() if (match := _COMPLETE.match(path.name))]
-    complete = [(step, path) for step, path in steps if (path / ".metadata").is_file()]
+    complete = [(int(match[1]), path) for path in root.iterdir()
+                if (match := _COMPLETE.match(path.name)) and (path / ".metadata").is_file()]
     return max(complete)[1] if complete else None
 
 
@@ -51,20 +51,15 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     with stored_parameters(model):
         model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state, "step": step}, checkpoint_id=partial)
-    if is_writer:
-        _replace(partial, final)
+    if is_writer:  # the complete checkpoint replaces one of the same step
+        stale = final.with_name(f".{final.name}.stale")
+        shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():
+            final.rename(stale)
+        partial.rename(final)
+        shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
     return final
-
-
-def _replace(source: Path, target: Path) -> None:
-    """Rename ``source`` to ``target``, replacing an existing ``target`` directory."""
-    stale = target.with_name(f".{target.name}.stale")
-    shutil.rmtree(stale, ignore_errors=True)
-    if target.exists():
-        target.rename(stale)
-    source.rename(target)
-    shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
@@ -96,10 +91,9 @@ def check_compatible(path: Path, model_state: dict[str, torch.Tensor]) -> None:
         if not isinstance(entry, TensorStorageMetadata):
             raise ValueError(f"checkpoint {path} has no parameter {name!r}: it was saved from a different model")
         if tuple(entry.size) != tuple(tensor.shape):
-            raise ValueError(
-                f"checkpoint {path} holds parameter {name!r} with shape {tuple(entry.size)}, but the model's is "
-                f"{tuple(tensor.shape)}: it was saved from a different model; build the same model to resume"
-            )
+            raise ValueError(f"checkpoint {path} holds parameter {name!r} with shape {tuple(entry.size)}, but the "
+                             f"model's is {tuple(tensor.shape)}: it was saved from a different model; build the same "
+                             "model to resume")
     unexpected = sorted({key[len("model."):] for key in saved if key.startswith("model.")} - set(model_state))
     if unexpected:
         raise ValueError(f"checkpoint {path} has parameter {unexpected[0]!r} that the model lacks: different model")

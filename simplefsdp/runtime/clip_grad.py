@@ -11,11 +11,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale ``model``'s gradients in place so their total ``norm_type``-norm is at most ``max_norm``.
+    """``torch.nn.utils.clip_grad_norm_`` of the unsharded model, with one all-reduce over the sharding mesh dimension.
 
-    As ``torch.nn.utils.clip_grad_norm_`` on the unsharded model, with one all-reduce over the sharding mesh
-    dimension; returns the total norm before clipping (a plain tensor).
-    """
+    Scales the gradients in place to a total ``norm_type``-norm of at most ``max_norm``; returns the norm before."""
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
@@ -25,14 +23,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     group = _shard_group(grads)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in local])
-    if math.isinf(norm_type):
-        total = norms.max()
-        if group is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-    else:
-        total = norms.pow(norm_type).sum()
-        if group is not None:
-            dist.all_reduce(total, group=group)
+    inf = math.isinf(norm_type)
+    total = norms.max() if inf else norms.pow(norm_type).sum()
+    if group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    if not inf:
         total = total.pow(1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     torch._foreach_mul_(local, clip_coef)

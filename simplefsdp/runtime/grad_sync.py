@@ -58,16 +58,12 @@ class _AddPending(torch.autograd.Function):
         return (grad.to(ctx.pending.dtype) + ctx.pending).to(grad.dtype), None
 
 
-def route_to_accumulator(full: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
-    """``full`` for the forward; its gradient accumulates unreduced in ``accumulator.grad``."""
-    return _RouteGradient.apply(full.detach(), accumulator)
-
-
-def add_pending(full: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
-    """``full`` for the forward; its gradient includes the sum pending in ``accumulator.grad``, if any."""
-    if accumulator.grad is None:
-        return full
-    return _AddPending.apply(full, accumulator.grad)
+def route_gradient(full: torch.Tensor, accumulator: torch.Tensor, sync: GradientSync) -> torch.Tensor:
+    """``full`` for the forward; its gradient accumulates unreduced in ``accumulator.grad`` with sync off, and with
+    sync on it includes the sum pending there, if any."""
+    if not sync.enabled:
+        return _RouteGradient.apply(full.detach(), accumulator)
+    return full if accumulator.grad is None else _AddPending.apply(full, accumulator.grad)
 
 
 def register_pending_drops(model: nn.Module, sync: GradientSync) -> None:
@@ -91,11 +87,6 @@ class GradientSyncMethods:
 
     _gradient_sync: GradientSync
 
-    @property
-    def requires_gradient_sync(self) -> bool:
-        """Whether the next backward reduces gradients across ranks."""
-        return self._gradient_sync.enabled
-
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Off: backwards keep full gradients locally with no communication. On: the next backward reduces all."""
         if not requires_gradient_sync and not self._gradient_sync.drops_registered:
@@ -106,7 +97,7 @@ class GradientSyncMethods:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backwards inside run without gradient communication; the first backward after it reduces everything."""
-        previous = self.requires_gradient_sync
+        previous = self._gradient_sync.enabled
         self.set_requires_gradient_sync(False)
         try:
             yield
@@ -117,5 +108,4 @@ class GradientSyncMethods:
 def add_gradient_sync_methods(model: nn.Module, sync: GradientSync) -> None:
     """Give ``model`` the methods of ``GradientSyncMethods``, controlling ``sync``, by swapping its class."""
     model._gradient_sync = sync
-    cls = model.__class__
-    model.__class__ = type(cls.__name__, (GradientSyncMethods, cls), {})
+    model.__class__ = type(type(model).__name__, (GradientSyncMethods, type(model)), {})

@@ -14,10 +14,7 @@ def is_launched_rank() -> bool:
 
 
 def launch_local_ranks(nproc: int, module_argv: list[str]) -> int:
-    """Run ``python -m simplefsdp <module_argv>`` on ``nproc`` local ranks as ``torchrun --standalone``; its exit code.
-
-    A failed rank ends the job, named on stderr. Each rank gets an equal share of the cores unless ``OMP_NUM_THREADS``.
-    """
+    """Run ``python -m simplefsdp <module_argv>`` on ``nproc`` local ranks like ``torchrun --standalone``; exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -43,9 +40,6 @@ def describe_failures(failures: dict) -> str:
         return (failure.exitcode == -signal.SIGTERM, failure.exitcode >= 0, failure.timestamp, rank)
 
     ordered = sorted(failures.items(), key=likely_cause_first)
-    parts = [
-        f"rank {rank} {'was killed by ' + failure.signal_name() if failure.exitcode < 0 else 'failed'} "
-        f"(exit code {failure.exitcode})"
-        for rank, failure in ordered
-    ]
+    parts = [f"rank {rank} {'was killed by ' + failure.signal_name() if failure.exitcode < 0 else 'failed'} "
+             f"(exit code {failure.exitcode})" for rank, failure in ordered]
     return parts[0] + (f", then {', '.join(parts[1:])}" if parts[1:] else "")

@@ -18,10 +18,11 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_distributed(timeout: timedelta = timedelta(minutes=5)) -> None:
+def init_distributed() -> None:
     """Start the default process group (NCCL on GPUs, gloo on CPUs) once: from ``torchrun``, else a 1-rank world."""
     if dist.is_initialized():
         return
+    timeout = timedelta(minutes=5)
     backend = "nccl" if device_type() == "cuda" else "gloo"
     if device_type() == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -38,10 +39,8 @@ def default_mesh(mode: str) -> DeviceMesh:
     if mode == "hybrid_shard":
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if world % per_node:
-            raise ValueError(
-                f"hybrid_shard needs the world ({world} ranks) to split evenly into nodes of {per_node}; "
-                "pass mesh=init_device_mesh(device, (replicas, shards)) explicitly"
-            )
+            raise ValueError(f"hybrid_shard needs the world ({world} ranks) to split evenly into nodes of {per_node}; "
+                             "pass mesh=init_device_mesh(device, (replicas, shards)) explicitly")
         return init_device_mesh(device_type(), (world // per_node, per_node), mesh_dim_names=MESH_DIM_NAMES[mode])
     return init_device_mesh(device_type(), (world,), mesh_dim_names=MESH_DIM_NAMES[mode])
 
@@ -53,7 +52,5 @@ def check_mesh(mesh: DeviceMesh, mode: str) -> None:
     wanted = len(MESH_DIM_NAMES[mode])
     if mesh.ndim != wanted:
         shape = "(replicas, shards)" if wanted == 2 else "(world_size,)"
-        raise ValueError(
-            f"mode={mode!r} needs a {wanted}-D mesh but got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; "
-            f"build one with init_device_mesh(device, {shape})"
-        )
+        raise ValueError(f"mode={mode!r} needs a {wanted}-D mesh but got a {mesh.ndim}-D mesh of shape "
+                         f"{tuple(mesh.shape)}; build one with init_device_mesh(device, {shape})")

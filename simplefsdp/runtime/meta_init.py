@@ -36,8 +36,7 @@ def materialize_sharded(model: nn.Module, init_fn: Callable[[], None] | None = N
     init_fn = init_fn or getattr(model, "init_weights", None)
     if init_fn is None:
         raise ValueError(f"{type(model).__name__} has no init_weights(); pass init_fn=... that initializes it in place")
-    device = params[0].device_mesh.device_type
-    model.to_empty(device=device)
+    model.to_empty(device=params[0].device_mesh.device_type)
     with torch.no_grad(), stored_parameters(model), _init_functions_on_full_tensors(), _FullRandomFills():
         init_fn()
     return model
@@ -55,10 +54,8 @@ def _keep_shard(target: DTensor, fill: Callable[[torch.Tensor], object]) -> DTen
 @contextlib.contextmanager
 def _init_functions_on_full_tensors() -> Iterator[None]:
     """Temporarily make each public ``torch.nn.init`` function handle a DTensor through ``_keep_shard``."""
-    originals = {
-        name: fn for name, fn in vars(nn.init).items()
-        if callable(fn) and name.endswith("_") and not name.startswith("_")
-    }
+    originals = {name: fn for name, fn in vars(nn.init).items()
+                 if callable(fn) and name.endswith("_") and not name.startswith("_")}
 
     def on_full_tensor(fn):
         @functools.wraps(fn)

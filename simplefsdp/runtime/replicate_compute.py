@@ -1,10 +1,9 @@
 """The replicate-for-compute getter: how the forward reads a sharded parameter.
 
-Reading ``module.weight`` gathers the DTensor shard into a full local tensor
-(all-gather for ``Shard``, nothing for ``Replicate``), cast to the compute dtype.
-Its backward turns the local gradient into a ``Partial("avg")`` DTensor and
-reduces it back to the parameter's placement: reduce-scatter, all-reduce, or both.
-With gradient sync off (``grad_sync.py``) the gradient goes to an accumulator instead.
+Reading ``module.weight`` gathers the DTensor shard into a full local tensor (all-gather for ``Shard``, nothing for
+``Replicate``), cast to the compute dtype. Its backward turns the local gradient into a ``Partial("avg")`` DTensor and
+reduces it back to the parameter's placement: reduce-scatter, all-reduce, or both. With gradient sync off
+(``grad_sync.py``) the gradient goes to an accumulator instead.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from simplefsdp.runtime.activation_checkpoint import checkpoint_context
-from simplefsdp.runtime.grad_sync import GradientSync, add_pending, route_to_accumulator
+from simplefsdp.runtime.grad_sync import GradientSync, route_gradient
 
 
 def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -69,10 +68,7 @@ class ReplicateComputation:
 
     def compute_view(self, param: DTensor, accumulator: torch.Tensor) -> torch.Tensor:
         """The gathered parameter; with sync off its gradient goes to ``accumulator`` unreduced."""
-        full = self.gather(param)
-        if self.sync.enabled:
-            return add_pending(full, accumulator)
-        return route_to_accumulator(full, accumulator)
+        return route_gradient(self.gather(param), accumulator, self.sync)
 
     def __call__(self, param: DTensor, accumulator: torch.Tensor) -> torch.Tensor:
         if self.reshard_after_forward:
@@ -83,9 +79,7 @@ class ReplicateComputation:
 def install_getters(module: nn.Module, accumulators: dict[str, torch.Tensor], replicate: ReplicateComputation) -> None:
     """Make ``module.<name>`` return ``replicate(module._parameters[name], accumulators[name])``.
 
-    The module's class is swapped for a subclass with one property per name, so
-    ``state_dict`` and ``named_parameters`` still see the sharded parameters.
-    """
+    By a subclass with one property per name, so ``state_dict`` and ``named_parameters`` still see the shards."""
     module._grad_accumulators = accumulators
     cls = module._class_without_getters = module.__class__
     getters = {name: property(functools.partial(_read_parameter, name=name, replicate=replicate))

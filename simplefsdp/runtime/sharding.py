@@ -21,14 +21,11 @@ def check_not_sharded(module: nn.Module) -> None:
     """Raise ``ValueError`` if ``module`` or any parameter in it was already sharded."""
     for name, param in module.named_parameters():
         if isinstance(param, DTensor):
-            raise ValueError(
-                f"parameter {name!r} is already a DTensor: compile_sharded was applied to this module "
-                "(or a submodule) before; apply it once, to the outermost module"
-            )
+            raise ValueError(f"parameter {name!r} is already a DTensor: compile_sharded was applied to this module "
+                             "(or a submodule) before; apply it once, to the outermost module")
 
 
 def _fingerprint(module: nn.Module) -> list[str]:
-    """Name, shape and dtype of every parameter and buffer, in registration order."""
     params = [f"parameter {n} {tuple(p.shape)} {p.dtype}" for n, p in module.named_parameters(remove_duplicate=False)]
     return params + [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
 
@@ -50,10 +47,8 @@ def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh) -> None:
             diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
             detail = (f"{diff[0]} here, {diff[1]} there" if diff
                       else f"{len(mine)} parameters and buffers here vs {len(theirs)} there")
-            raise ValueError(
-                f"the model differs between rank {dist.get_rank()} and rank {rank}: {detail}; "
-                "build the same model (same config) on every rank before compile_sharded"
-            )
+            raise ValueError(f"the model differs between rank {dist.get_rank()} and rank {rank}: {detail}; "
+                             "build the same model (same config) on every rank before compile_sharded")
 
 
 def broadcast_buffers(module: nn.Module, mesh: DeviceMesh) -> None:
