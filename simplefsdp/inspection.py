@@ -1,12 +1,8 @@
 """``simplefsdp.inspect`` and ``simplefsdp inspect``: trace a sharded model in one process and predict its step.
 
-The model is copied onto the meta device, its parameters sharded over a fake
-process group of the requested world size, and one forward and backward traced
-(see ``simplefsdp.ir.capture``). Nothing is allocated for the parameters, so
-Llama 3 8B on 512 ranks fits on a laptop. Our passes (bucketing, reordering)
-then run on the traced graphs through the same code path as under
-``compile_sharded`` (``OverlapPasses.stages``); the report keeps the graphs,
-plans and prediction of every stage.
+A meta-device copy (nothing allocated: Llama 3 8B on 512 ranks fits on a laptop) is sharded by
+``compile_sharded`` over a fake process group, traced, and run through ``OverlapPasses.stages``, the passes'
+one code path; the report keeps the graphs, plans and prediction of every stage.
 """
 
 from __future__ import annotations
@@ -41,10 +37,7 @@ from simplefsdp.runtime.sharding import check_not_sharded
 
 @dataclass(frozen=True)
 class InspectStage:
-    """The step's graphs at one stage of the passes (``traced``, ``bucketed``, ``reordered``) and their prediction.
-
-    ``forward_plan`` and ``backward_plan`` are what the stage's pass applied to each graph (``None`` when traced).
-    """
+    """The step's graphs at one stage (``traced``, ``bucketed``, ``reordered``), the plans applied, the prediction."""
 
     name: str
     forward: Schedule
@@ -64,11 +57,8 @@ _PLAN_HEADINGS = {"bucketed": "bucket plan", "reordered": "reorder plan"}
 
 @dataclass
 class InspectReport:
-    """The graphs of one step at each stage of the passes, with plans and predictions; ``save`` writes them all.
-
-    ``stages`` run in pass order, ``traced`` first; the last one is what runs, and ``forward``, ``backward``
-    and ``prediction`` are its.
-    """
+    """The step at each stage of the passes, ``traced`` first; ``forward``, ``backward`` and ``prediction`` are the
+    last stage's, the graphs that run."""
 
     title: str
     stages: list[InspectStage]
@@ -177,16 +167,11 @@ def inspect(
     title: str | None = None,
     dynamic: bool = False,
 ) -> InspectReport:
-    """Trace ``model`` as ``compile_sharded`` would shard it on ``world_size`` ranks, run our passes, predict a step.
+    """Trace ``model`` as ``compile_sharded`` shards it on ``world_size`` ranks (default 1), run our passes, predict.
 
-    Runs in this process on a fake process group (``world_size`` defaults to 1)
-    with meta-device copies of the model and inputs; ``model`` itself is not
-    changed. ``hardware`` is a profile name (``h100``, ``a100``, ``cpu``), a JSON
-    path or a ``HardwareProfile``; it also prices ``buckets="auto"``. ``buckets``,
-    ``reorder``, ``prefetch`` and ``memory_budget`` are ``compile_sharded``'s
-    pass options; the report keeps the graphs as traced and after each pass
-    that is on. ``dynamic`` traces the inputs' sizes as symbols, priced at
-    ``example_inputs``' sizes. Each bad argument raises one clear error.
+    Meta-device copies on a fake process group; ``model`` is not changed. ``hardware``: a profile name (``h100``,
+    ``a100``, ``cpu``), a JSON path or a ``HardwareProfile``; it also prices ``buckets="auto"``. The pass options
+    are ``compile_sharded``'s. ``dynamic`` traces sizes as symbols, priced at ``example_inputs``' sizes.
     """
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size
@@ -195,9 +180,8 @@ def inspect(
     check_not_sharded(model)
     mp_policy = mp_policy or MixedPrecision()
     meta_model = _meta_copy(model)
-    meta_inputs = tuple(
-        torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in example_inputs
-    )
+    meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
+                        for x in example_inputs)
     passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile)
     with fake_world(world_size):
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
@@ -214,9 +198,7 @@ def inspect(
                      simulate(forward.schedule, backward.schedule, profile, compute_dtype))
         for forward, backward in zip(forward_stages, backward_stages)
     ]
-    title = title or (
-        f"{type(model).__name__}, {mode}, world {world_size} (mesh {tuple(mesh_shape)}), hardware {profile.name}"
-    )
+    title = title or f"{type(model).__name__}, {mode}, world {world_size} (mesh {mesh_shape}), hardware {profile.name}"
     return InspectReport(title, stages, profile)
 
 
