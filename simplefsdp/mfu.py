@@ -11,11 +11,8 @@ from simplefsdp.models.llama import build_model
 
 
 def step_flops(model_name: str, batch_size: int, seq_len: int) -> float:
-    """FLOPs of one forward and backward of ``model_name`` on ``batch_size`` x ``seq_len`` tokens.
-
-    Counted on the IR's graphs of an unsharded copy on the meta device (sharding moves no FLOPs), without the
-    recomputation of activation checkpointing.
-    """
+    """FLOPs of one forward and backward of ``model_name`` on ``batch_size`` x ``seq_len`` tokens, counted on an
+    unsharded meta-device copy (sharding moves no FLOPs), without activation checkpointing's recomputation."""
     with torch.device("meta"):
         model = build_model(model_name)
     tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
@@ -25,11 +22,8 @@ def step_flops(model_name: str, batch_size: int, seq_len: int) -> float:
 
 
 def peak_flops_per_second(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s in ``dtype`` of the device one rank computes on; None for a GPU without a profile.
-
-    A GPU's is its profile's data-sheet peak; a CPU rank's is the ``cpu`` profile's measured matmul rate (measured
-    with half the cores per rank) scaled to this rank's thread count.
-    """
+    """Peak FLOP/s in ``dtype`` of one rank's device: a GPU profile's data-sheet peak (None without a profile), or
+    the ``cpu`` profile's matmul rate (measured with half the cores per rank) scaled to this rank's thread count."""
     if device.type == "cpu":
         return cpu_profile().peak_rate(dtype) * torch.get_num_threads() / measuring_threads()
     profile = gpu_profile(torch.cuda.get_device_name(device))

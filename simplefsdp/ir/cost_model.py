@@ -1,15 +1,12 @@
 """Predicted run time of schedule nodes on a hardware profile.
 
-Compute: a roofline, ``max(FLOPs / matmul rate, bytes moved / memory bandwidth)``
-plus the kernel launch and host dispatch overheads; views and tuple items cost
-only the dispatch overhead (0 on GPUs), waits nothing.
+Compute: a roofline, ``max(FLOPs / matmul rate, bytes moved / memory bandwidth)`` plus the kernel launch and host
+dispatch overheads; views and tuple items cost only the dispatch overhead (0 on GPUs), waits nothing.
 
-Collectives: an alpha-beta model with ring factors. For ``n`` ranks and a full
-buffer of ``S`` bytes, a ring all-gather or reduce-scatter moves ``(n-1)/n * S``
-through each rank's link (NCCL's "bus bandwidth" convention) in ``n-1`` steps;
-an all-reduce is a reduce-scatter followed by an all-gather. When the group
-spans ``N`` nodes of ``g`` ranks it runs hierarchically: the inter-node phase
-moves ``(N-1)/N * S`` bytes through the node's ``g`` network links at once, the
+Collectives: an alpha-beta model with ring factors. For ``n`` ranks and a full buffer of ``S`` bytes, a ring all-gather
+or reduce-scatter moves ``(n-1)/n * S`` through each rank's link (NCCL's "bus bandwidth" convention) in ``n-1`` steps;
+an all-reduce is a reduce-scatter followed by an all-gather. A group spanning ``N`` nodes of ``g`` ranks runs
+hierarchically: the inter-node phase moves ``(N-1)/N * S`` bytes through the node's ``g`` network links at once, the
 intra-node phase ``(g-1)/g * S`` over NVLink; the phases add up.
 """
 
@@ -22,10 +19,7 @@ from simplefsdp.ir.schedule import COLLECTIVE, COMPUTE, Collective, ScheduleNode
 
 
 def node_time(node: ScheduleNode, hardware: HardwareProfile, dtype: torch.dtype | None = None) -> float:
-    """Seconds ``node`` occupies its stream: compute on the compute stream, collectives on the communication stream.
-
-    ``dtype`` is the matmul dtype when the node has FLOPs (default: float32 rate).
-    """
+    """Seconds ``node`` occupies its compute or communication stream; ``dtype``: the matmul dtype (default float32)."""
     if node.kind == COLLECTIVE:
         return collective_time(node.collective, hardware)
     if node.kind != COMPUTE:
@@ -47,8 +41,7 @@ def collective_seconds(kind: str, size: float, ranks: tuple[int, ...], hardware:
     """Seconds for a ``kind`` collective whose full buffer is ``size`` bytes over global ``ranks``."""
     if len(ranks) <= 1:
         return 0.0
-    per_node = hardware.devices_per_node
-    nodes = len({rank // per_node for rank in ranks})
+    nodes = len({rank // hardware.devices_per_node for rank in ranks})
     local = len(ranks) // nodes
     one_way = hardware.collective_latency + _ring_phase(size, local, hardware.intra_node_bandwidth,
                                                         hardware.intra_node_latency)

@@ -1,17 +1,13 @@
 """Memory model: liveness over the forward then the backward schedule, per rank, by category.
 
-Every non-view node allocates its output when it runs; the storage is freed
-after the last node that reads it or any view of it. Forward outputs that the
-backward reads (saved tensors) stay alive until their last use there; the
-forward's own results (e.g. logits) live until the backward starts, when their
-gradients (``tangents_*``) arrive. Parameter shards, other graph inputs and the
-backward's outputs (sharded gradients) are held for the whole step.
+Every non-view node allocates its output when it runs; the storage is freed after the last node that reads it or any
+view of it. Saved tensors live until their last use in the backward; the forward's own results (e.g. logits) until the
+backward starts, when their gradients (``tangents_*``) arrive. Graph inputs and the backward's outputs (sharded
+gradients) are held for the whole step.
 
-Categories: ``sharded_params`` (the parameters each rank keeps: shards, or
-whole parameters in replicate mode), ``unsharded_params``
-(all-gather outputs), ``gradients`` (reduce-scatter / all-reduce outputs and the
-gradients the backward returns), ``comm_buffers`` (tensors made only to feed a
-collective, e.g. a shard cast to the compute dtype) and ``activations``.
+Categories: ``sharded_params`` (what each rank keeps: shards, or whole parameters in replicate mode),
+``unsharded_params`` (all-gather outputs), ``gradients`` (reduce-scatter / all-reduce outputs and returned gradients),
+``comm_buffers`` (tensors made only to feed a collective, e.g. a shard cast to the compute dtype) and ``activations``.
 """
 
 from __future__ import annotations
@@ -27,10 +23,7 @@ CATEGORIES = ("sharded_params", "unsharded_params", "gradients", "comm_buffers",
 
 @dataclass
 class MemoryProfile:
-    """Peak bytes per rank and its split by category.
-
-    ``curve`` holds the live bytes after each node, forward then backward.
-    """
+    """Peak bytes per rank and its split by category; ``curve``: live bytes after each node, forward then backward."""
 
     peak_bytes: int
     peak_at: str

@@ -1,12 +1,7 @@
-"""The schedule: a post-grad FX graph read into an ordered list of compute, collective and wait nodes.
+"""The schedule: a post-grad FX graph read, without changing it, into ordered compute, collective and wait nodes.
 
-Reading never changes the graph. Each node carries its owning module's FQN,
-FLOPs (``torch.utils.flop_counter`` formulas on the node's fake tensors), bytes
-read and written, and the names of the nodes it reads; ``Schedule.dag`` holds
-the same dependencies as a ``networkx`` DAG. Sizes are ``int``: a symbolic
-size (a graph compiled with dynamic shapes) is read at its shape environment's
-hint, the size being compiled for, and ``Schedule.symbols`` names each symbol
-and its hint.
+FLOPs come from ``torch.utils.flop_counter`` formulas on the nodes' fake tensors. Sizes are ``int``: a symbolic size
+(dynamic shapes) is read at its shape environment's hint, the size being compiled for.
 """
 
 from __future__ import annotations
@@ -59,11 +54,8 @@ class Collective:
 
 @dataclass(frozen=True)
 class ScheduleNode:
-    """One operation of the graph, in program order.
-
-    ``alias_of`` names the node whose storage this one shares (views, waits,
-    tuple items); such nodes allocate nothing and cost nothing, except the
-    items of an op that returns several new tensors (``ir.memory``).
+    """One operation of the graph. ``alias_of`` names the node whose storage this one shares (views, waits, tuple
+    items); such nodes allocate and cost nothing, except the items of an op returning several new tensors (ir.memory).
     """
 
     name: str
@@ -90,10 +82,9 @@ class GraphInput:
 
 @dataclass
 class Schedule:
-    """One graph (``phase`` is ``"forward"`` or ``"backward"``) read into ordered nodes and a DAG.
+    """One graph (``phase`` is ``"forward"`` or ``"backward"``) read into ordered nodes and a ``networkx`` DAG.
 
-    ``symbols`` maps each symbolic size of the graph's inputs to the hint its sizes were read at.
-    """
+    ``symbols`` maps each symbolic size of the graph's inputs to the hint its sizes were read at."""
 
     phase: str
     inputs: list[GraphInput]
@@ -113,10 +104,7 @@ class Schedule:
 
 
 def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | None = None) -> Schedule:
-    """Read ``gm`` into a ``Schedule`` without changing it.
-
-    ``param_fqns`` maps placeholder names to the FQNs of the parameters they hold.
-    """
+    """Read ``gm`` into a ``Schedule``; ``param_fqns`` maps placeholder names to the FQNs of the parameters in them."""
     param_fqns = param_fqns or {}
     inputs, nodes, outputs = [], [], []
     fqns: dict[str, str] = {}
@@ -143,9 +131,7 @@ def _symbols(gm: fx.GraphModule) -> dict[str, int]:
             if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol}
 
 
-class _Call(NamedTuple):
-    """The op a node runs and its arguments, as nodes of the node's own graph."""
-
+class _Call(NamedTuple):  # the op a node runs, its arguments as nodes of the node's own graph
     target: object
     args: tuple
     kwargs: dict
@@ -170,32 +156,21 @@ def _read_node(fx_node: fx.Node, fqns: dict[str, str]) -> ScheduleNode:
     call = _call(fx_node)
     inputs = tuple(dict.fromkeys(arg.name for arg in fx_node.all_input_nodes if arg.op != "get_attr"))
     fqn = node_fqn(fx_node) or next((fqns[name] for name in inputs if fqns.get(name)), "")
-    common = dict(name=fx_node.name, op=_op_name(call.target), fqn=fqn, inputs=inputs)
-    if call.target in _COLLECTIVES:
-        collective = _read_collective(fx_node, call)
-        return ScheduleNode(kind=COLLECTIVE, collective=collective, bytes_written=_output_bytes(fx_node), **common)
-    if call.target in _WAIT_OPS:
-        source = _collective_source(call.args[0])
-        return ScheduleNode(kind=WAIT, waits_for=source, alias_of=call.args[0].name, **common)
+    target = call.target
+    op = str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+    common = dict(name=fx_node.name, op=op, fqn=fqn, inputs=inputs)
+    if target in _WAIT_OPS:
+        return ScheduleNode(kind=WAIT, waits_for=_collective_source(call.args[0]), alias_of=call.args[0].name, **common)
+    common["bytes_written"] = _output_bytes(fx_node)
+    if target in _COLLECTIVES:
+        return ScheduleNode(kind=COLLECTIVE, collective=_read_collective(fx_node, call), **common)
     alias = _aliased_input(call)
     if alias is not None:
-        return ScheduleNode(kind=COMPUTE, alias_of=alias, bytes_written=_output_bytes(fx_node), **common)
+        return ScheduleNode(kind=COMPUTE, alias_of=alias, **common)
     tensors = dict.fromkeys(arg for arg in tree_flatten((call.args, call.kwargs))[0]
-                            if isinstance(arg, fx.Node) and _is_tensor_node(arg))
+                            if isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor))
     read = sum((tensor_bytes(arg.meta["val"]) for arg in tensors), 0)
-    return ScheduleNode(
-        kind=COMPUTE, flops=_flops(fx_node, call), bytes_read=read, bytes_written=_output_bytes(fx_node), **common
-    )
-
-
-def _op_name(target) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target)
-    return getattr(target, "__name__", str(target))
-
-
-def _is_tensor_node(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
+    return ScheduleNode(kind=COMPUTE, flops=_flops(fx_node, call), bytes_read=read, **common)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -218,9 +193,8 @@ def _aliased_input(call: _Call) -> str | None:
     if call.target is operator.getitem:
         return call.args[0].name
     schema = getattr(call.target, "_schema", None)
-    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
-        return None
-    if schema.returns[0].alias_info.is_write:
+    alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
+    if alias is None or alias.is_write:
         return None
     tensors = [arg for arg in call.args if isinstance(arg, fx.Node)]
     return tensors[0].name if tensors else None
@@ -230,12 +204,8 @@ def _flops(fx_node: fx.Node, call: _Call) -> int:
     formula = flop_registry.get(getattr(call.target, "overloadpacket", None))
     if formula is None:
         return 0
-    args, kwargs = tree_map(_fake_value, (call.args, call.kwargs))
+    args, kwargs = tree_map(lambda arg: arg.meta["val"] if isinstance(arg, fx.Node) else arg, (call.args, call.kwargs))
     return _as_size(formula(*args, **kwargs, out_val=fx_node.meta["val"]))
-
-
-def _fake_value(arg):
-    return arg.meta["val"] if isinstance(arg, fx.Node) else arg
 
 
 def _read_collective(fx_node: fx.Node, call: _Call) -> Collective:
@@ -244,13 +214,10 @@ def _read_collective(fx_node: fx.Node, call: _Call) -> Collective:
     ranks = group_ranks(group_name)
     if size_index is not None and len(ranks) != call.args[size_index]:
         ranks = tuple(range(call.args[size_index]))
-    first_input = tree_flatten(call.args[0])[0][0]
-    dtype = first_input.meta["val"].dtype
-    if full_buffer == "output":
-        size = _output_bytes(fx_node)
-    else:
-        size = sum((tensor_bytes(arg.meta["val"]) for arg in tree_flatten(call.args[0])[0]), 0)
-    return Collective(kind=kind, group_name=str(group_name), group_ranks=ranks, dtype=dtype, bytes=size)
+    sources = tree_flatten(call.args[0])[0]
+    size = _output_bytes(fx_node) if full_buffer == "output" else sum((tensor_bytes(a.meta["val"]) for a in sources), 0)
+    return Collective(kind=kind, group_name=str(group_name), group_ranks=ranks, dtype=sources[0].meta["val"].dtype,
+                      bytes=size)
 
 
 def _collective_source(node: fx.Node) -> str:
@@ -261,11 +228,9 @@ def _collective_source(node: fx.Node) -> str:
 
 
 def group_ranks(group_name: str) -> tuple[int, ...]:
-    """Global ranks of the process group registered as ``group_name`` in this process.
+    """Global ranks of the process group registered as ``group_name`` in this process; ``()`` for an unknown name.
 
-    Uses ``torch.distributed.distributed_c10d._resolve_process_group`` (private; the
-    only way from a name to a group). An unknown name gives ``()``.
-    """
+    ``_resolve_process_group`` is private, but the only way from a name to a group."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 

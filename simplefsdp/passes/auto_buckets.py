@@ -1,31 +1,16 @@
 """``buckets="auto"``: buckets merged from small units where the cost model says merging is free.
 
-Algorithm (one graph, one pass over its collectives in program order):
-
-1. Cut the collectives into units. All-gathers: one unit per child module of a
-   repeated block (``layers.3.attention``, ``layers.3.ffn_norm``) and per
-   top-level module outside the blocks (``tok_embeddings``, ``norm``,
-   ``output``). Reduce-scatters: one unit per block, plus head and tail (the
-   ``"block"`` plan). Each unit has its predicted communication time
-   (``simplefsdp.ir.cost_model`` alpha-beta model, on the given hardware
-   profile), its full buffer bytes, and the compute time of the nodes owned by
-   its modules (roofline).
-2. Walk the units of each (kind, process group, dtype) in program order and
-   grow the current bucket by the next unit while both hold:
-   - the merged bucket's communication still fits under the compute it
-     overlaps: for an all-gather, the compute of the previous bucket (it is
-     prefetched behind it); for a reduce-scatter, the compute of the unit
-     after it (it runs behind the next block's backward);
-   - the gathered bytes in flight, ``(prefetch + 1)`` buckets of at most the
-     merged bucket's size, stay within ``memory_budget``. The default budget is
-     what per-block bucketing holds: the largest full-buffer bytes of any
-     ``prefetch + 1`` consecutive blocks.
-   Merging saves one collective's latency each time, so small units (norms,
-   short blocks) are merged until they would stop hiding or exceed the budget.
-   Small all-gather units let a bucket end where the compute that can hide the
-   next one ends: the first block's attention is gathered behind the
-   embedding lookup, and its feed-forward behind that attention, so only the
-   embedding's own all-gather is exposed at the start of the step.
+1. Cut the collectives into units. All-gathers: one per child module of a repeated block (``layers.3.attention``) and
+   per top-level module outside the blocks (``tok_embeddings``). Reduce-scatters: one per block plus head and tail
+   (the ``"block"`` plan). Each unit has its full buffer bytes and the roofline compute time of its modules' nodes.
+2. Walk the units of each (kind, process group, dtype) in program order and grow the current bucket by the next unit
+   while (a) the merged bucket's alpha-beta communication time still fits under the compute it overlaps: for an
+   all-gather the previous bucket's (it is prefetched behind it), for a reduce-scatter the next unit's (it runs behind
+   the next block's backward); and (b) the bytes in flight, ``prefetch + 1`` buckets of the merged size, stay within
+   ``memory_budget`` (default: what per-block bucketing holds, the most bytes of any ``prefetch + 1`` blocks in a row).
+   Each merge saves one collective's latency. Small all-gather units let a bucket end where the compute that can hide
+   the next one ends: the first block's attention is gathered behind the embedding lookup, its feed-forward behind that
+   attention, so only the embedding's own all-gather is exposed at the start of the step.
 """
 
 from __future__ import annotations
@@ -50,10 +35,8 @@ class _Unit:
 
 def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budget: int | None = None,
                       prefetch: int = 1, compute_dtype: torch.dtype | None = None) -> BucketPlan:
-    """Buckets for ``schedule`` chosen by the algorithm of the module docstring.
-
-    ``compute_dtype`` sets the matmul rate; by default the dtype the parameters are gathered in.
-    """
+    """Buckets for ``schedule`` by the module docstring's algorithm; ``compute_dtype`` (default: the dtype parameters
+    are gathered in) sets the matmul rate."""
     gathered = [node.collective.dtype for node in schedule.collectives() if node.collective.kind == "all_gather"]
     compute_dtype = compute_dtype or (gathered[0] if gathered else None)
     computes = [node for node in schedule.nodes if node.kind == COMPUTE]
@@ -109,8 +92,7 @@ def _merge(units: list[_Unit], kind: str, ranks: tuple[int, ...], hardware: Hard
             hiding = sum(u.compute for u in groups[-2]) if len(groups) > 1 else 0.0
         else:
             hiding = units[index + 1].compute if index + 1 < len(units) else 0.0
-        fits_time = collective_seconds(kind, size, ranks, hardware) <= hiding
-        if fits_time and size * (prefetch + 1) <= budget:
+        if collective_seconds(kind, size, ranks, hardware) <= hiding and size * (prefetch + 1) <= budget:
             groups[-1] = candidate
         else:
             groups.append([unit])
@@ -125,5 +107,4 @@ def _join(buckets: list[Bucket]) -> Bucket:
 
 
 def _default_budget(units: list[_Unit], prefetch: int) -> float:
-    window = prefetch + 1
-    return max(sum(u.bytes for u in units[start:start + window]) for start in range(len(units)))
+    return max(sum(u.bytes for u in units[start:start + prefetch + 1]) for start in range(len(units)))
