@@ -70,6 +70,17 @@ def update_bound(initial: torch.Tensor, update: torch.Tensor) -> float:
     return FORWARD_BACKWARD_BOUND + 2 * STEPS * U * initial.norm().item() / update.norm().clamp_min(1e-30).item()
 
 
+class TwoLinears(nn.Module):
+    """Two linear layers as a user writes them: a module class of the user's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
 class WithTinyFirstDim(nn.Module):
     """A parameter whose first dimension (1) is smaller than the world size."""
 

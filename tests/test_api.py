@@ -16,6 +16,7 @@ from simplefsdp import compile_sharded
 from simplefsdp.ir.hardware import local_profile
 from simplefsdp.models.llama import build_model
 from simplefsdp.passes.install import OverlapPasses
+from scenarios import TwoLinears
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -87,24 +88,15 @@ def test_in_place_notice_is_hidden_only_for_that_message():
     assert wrap.log.filter(record("any other warning"))
 
 
-class TwoLinears(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.second = nn.Linear(8, 16), nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(torch.relu(self.first(x)))
-
-
 def test_auto_buckets_are_priced_on_the_hardware_that_runs_the_model(fake_world, monkeypatch):
     priced_on = []
     plan_buckets = OverlapPasses.plan_buckets
     monkeypatch.setattr(OverlapPasses, "plan_buckets", lambda passes, schedule: (
         priced_on.append(passes.hardware.name), plan_buckets(passes, schedule))[1])
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # a cache hit would skip the passes
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     model = compile_sharded(TwoLinears(), buckets="auto")
-    model(torch.randn(4, 8)).sum().backward()
+    # a cache hit would skip the passes
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        model(torch.randn(4, 8)).sum().backward()
     expected = local_profile("cuda").name if torch.cuda.is_available() else "cpu"  # the measured cpu profile
     assert priced_on == [expected, expected]  # forward and backward; never the h100 default on a CPU
 

@@ -10,6 +10,7 @@ import networkx as nx
 import pytest
 import torch
 from charts import png_size
+from scenarios import TwoLinears
 from torch import nn
 
 import simplefsdp
@@ -303,18 +304,9 @@ def test_one_model_class_can_be_captured_more_often_than_dynamos_per_code_limit(
     assert any("mm" in str(node.target) for node in graphs.forward.graph.nodes), graphs.forward.code
 
 
-class TwoLinears(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(torch.relu(self.first(x)))
-
-
 def test_inspect_shards_as_compile_sharded_does_casting_float_inputs_to_param_dtype():
     """inspect shards through compile_sharded itself, so the input reaches the graph in bf16, as in training."""
-    report = simplefsdp.inspect(TwoLinears(), (torch.randn(8, 16),), world_size=4, mp_policy=BF16_FP32,
+    report = simplefsdp.inspect(TwoLinears(), (torch.randn(8, 8),), world_size=4, mp_policy=BF16_FP32,
                                 buckets=None, reorder=False)
     (x,) = [graph_input for graph_input in report.stage("traced").forward.inputs if graph_input.param_fqn is None]
-    assert x.bytes == 8 * 16 * torch.bfloat16.itemsize
+    assert x.bytes == 8 * 8 * torch.bfloat16.itemsize

@@ -29,6 +29,7 @@ from simplefsdp.passes.reorder import plan_reorder
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
 from simplefsdp.runtime.sharding import shard_parameters
+from scenarios import TwoLinears
 
 LAYERS = get_config("debug").n_layers
 TOKENS = (2, 16)
@@ -186,15 +187,6 @@ def test_pass_uuid_follows_options():
     assert block == OverlapPasses("block").uuid()
     assert block != OverlapPasses("block", prefetch=2).uuid()
     assert block != OverlapPasses(MANUAL).uuid()
-
-
-class TwoLinears(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(torch.relu(self.first(x)))
 
 
 def linears(model: nn.Module) -> int:
