@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -34,18 +35,20 @@ class _Unit:
 
 
 def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budget: int | None = None,
-                      prefetch: int = 1, compute_dtype: torch.dtype | None = None) -> BucketPlan:
-    """Buckets for ``schedule`` by the module docstring's algorithm; ``compute_dtype`` (default: the dtype parameters
-    are gathered in) sets the matmul rate."""
+                      prefetch: int = 1, compute_dtype: torch.dtype | None = None, blocks: Sequence[str] = ()) -> BucketPlan:
+    """Buckets for ``schedule`` by the module docstring's algorithm (all-reduces: by bytes, as ``"block"``);
+    ``compute_dtype`` (default: the dtype parameters are gathered in) sets the matmul rate."""
     gathered = [node.collective.dtype for node in schedule.collectives() if node.collective.kind == "all_gather"]
     compute_dtype = compute_dtype or (gathered[0] if gathered else None)
     computes = [node for node in schedule.nodes if node.kind == COMPUTE]
-    blocks = _streams(schedule, plan_buckets(schedule, "block"), block_names(schedule, computes), hardware,
-                      compute_dtype)
-    modules = _streams(schedule, group_collectives(schedule, module_names(bucketable(schedule))),
-                       module_names(computes), hardware, compute_dtype)
-    merged = []
-    for (kind, group_name, dtype), units in blocks.items():
+    by_block = plan_buckets(schedule, "block", blocks, memory_budget)
+    streams = _streams(schedule, by_block, block_names(schedule, computes, blocks), hardware, compute_dtype)
+    modules = _streams(schedule, group_collectives(schedule, module_names(bucketable(schedule), blocks)),
+                       module_names(computes, blocks), hardware, compute_dtype)
+    merged = [bucket for bucket in by_block.buckets if bucket.kind == "all_reduce"]
+    for (kind, group_name, dtype), units in streams.items():
+        if kind == "all_reduce":
+            continue
         ranks = schedule.node(units[0].bucket.collectives[0]).collective.group_ranks
         budget = memory_budget if memory_budget is not None else _default_budget(units, prefetch)
         if kind == "all_gather":
@@ -53,14 +56,14 @@ def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budg
         merged += _merge(units, kind, ranks, hardware, budget, prefetch)
     position = {node.name: index for index, node in enumerate(schedule.nodes)}
     merged.sort(key=lambda bucket: position[bucket.collectives[0]])
-    return BucketPlan(schedule.phase, tuple(merged))
+    return BucketPlan(schedule.phase, tuple(merged), tuple(blocks))
 
 
-def module_names(nodes: list[ScheduleNode]) -> dict[str, str]:
+def module_names(nodes: list[ScheduleNode], blocks: Sequence[str]) -> dict[str, str]:
     """Node name → its all-gather unit: the child of its block (``layers.3.attention``), or its top-level module."""
     names = {}
     for node in nodes:
-        block = block_of(node.fqn)
+        block = block_of(node.fqn, blocks)
         rest = node.fqn[len(block) + 1:] if block else node.fqn
         child = rest.split(".")[0]
         names[node.name] = f"{block}.{child}" if block and child else (block or child)
