@@ -35,7 +35,8 @@ class _Unit:
 
 
 def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budget: int | None = None,
-                      prefetch: int = 1, compute_dtype: torch.dtype | None = None, blocks: Sequence[str] = ()) -> BucketPlan:
+                      prefetch: int = 1, compute_dtype: torch.dtype | None = None,
+                      blocks: Sequence[str] = ()) -> BucketPlan:
     """Buckets for ``schedule`` by the module docstring's algorithm (all-reduces: by bytes, as ``"block"``);
     ``compute_dtype`` (default: the dtype parameters are gathered in) sets the matmul rate."""
     gathered = [node.collective.dtype for node in schedule.collectives() if node.collective.kind == "all_gather"]

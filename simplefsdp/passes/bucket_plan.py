@@ -6,7 +6,7 @@ Modes: ``None``; ``"block"``, one bucket per repeated block (``find_blocks``: ``
 manual plan, lists of module FQN prefixes, bucket ``i`` taking every collective under list ``i`` and the rest staying
 unbucketed; ``"auto"``, see ``simplefsdp.passes.auto_buckets``. Outside a manual plan, all-reduces (``replicate``,
 ``hybrid_shard``'s replicas) are bucketed by bytes as DDP does: in backward order, up to half the memory budget
-(two buckets in flight, ``reorder``), 25 MiB by default.
+(two buckets in flight, ``reorder``), by default 25 MiB (the first: 1 MiB).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from simplefsdp.ir.schedule import Schedule, ScheduleNode
 
 BUCKETED_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 BucketMode = Union[None, str, Sequence[Sequence[str]]]
-ALL_REDUCE_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
+ALL_REDUCE_BUCKET_BYTES = 25 * 2**20, 2**20  # DDP's bucket_cap_mb, and its first bucket's, which starts sooner
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,8 @@ def plan_buckets(schedule: Schedule, mode: BucketMode, blocks: Sequence[str] = (
     if mode is None:
         return BucketPlan(schedule.phase, ())
     if mode == "block":
-        names = {**all_reduce_names(schedule, memory_budget), **block_names(schedule, bucketable(schedule), blocks)}
+        names = {**all_reduce_names(schedule, memory_budget),
+                 **block_names(schedule, bucketable(schedule), blocks)}
     elif isinstance(mode, str):
         raise ValueError(f"plan_buckets takes None, 'block' or a manual plan, got {mode!r}")
     else:
@@ -89,15 +90,13 @@ def bucketable(schedule: Schedule, kinds: tuple[str, ...] = ("all_gather", "redu
 
 
 def all_reduce_names(schedule: Schedule, memory_budget: int | None) -> dict[str, str]:
-    """All-reduce node name → its byte-sized bucket (``all_reduce.N``), consecutive ones per process group and dtype."""
-    cap = memory_budget // 2 if memory_budget else ALL_REDUCE_BUCKET_BYTES
-    names, filled = {}, {}
+    """All-reduce node name → its bucket (``all_reduce.N``): consecutive all-reduces, at most the cap's bytes."""
+    cap, first_cap = (memory_budget // 2,) * 2 if memory_budget else ALL_REDUCE_BUCKET_BYTES
+    names, index, size = {}, 0, 0
     for node in bucketable(schedule, ("all_reduce",)):
-        key = (node.collective.group_name, node.collective.dtype)
-        index, size = filled.get(key, (0, 0))
-        if size and size + node.collective.bytes > cap:
+        if size and size + node.collective.bytes > (cap if index else first_cap):
             index, size = index + 1, 0
-        filled[key] = (index, size + node.collective.bytes)
+        size += node.collective.bytes
         names[node.name] = f"all_reduce.{index}"
     return names
 

@@ -3,8 +3,8 @@
 Inductor's FX bucketing replaces a list of collectives by one on a flat buffer: ``process_collective_bucket`` traces
 our ``bucket_copies.all_gather_bucket`` in place of all-gathers (folding a cast just before each into the copy-in),
 ``merge_reduce_scatter_bucket`` (``custom_ops`` mode) copies gradients in with one opaque op and out as views. Padding
-for uneven shards stays outside the merged region; ``merge_all_reduce_bucket`` concatenates gradients. ``preserve_node_ordering`` adds dependencies Inductor's scheduler
-must respect.
+for uneven shards stays outside the merged region. ``merge_all_reduce_bucket`` all-reduces gradients concatenated.
+``preserve_node_ordering`` adds dependencies Inductor's scheduler must respect.
 """
 
 from __future__ import annotations
