@@ -50,10 +50,10 @@ def compile_sharded(
     (cost model, within ``memory_budget`` bytes of gathered parameters in flight), ``"block"`` (one bucket per
     repeated block, plus head and tail), ``None``, or a manual plan of module names
     (``[["tok_embeddings"], ["layers.0"], ...]``); ``reorder`` prefetches all-gathers ``prefetch`` buckets ahead and
-    sinks waits. ``blocks`` names the repeated blocks; by default they are found in the module tree: the children of
-    an ``nn.Sequential``, ``nn.ModuleList`` or ``nn.ModuleDict`` that repeat (same class and parameter shapes).
-    All-reduces (``replicate``, ``hybrid_shard``) go in 25 MiB buckets (half of ``memory_budget`` if given).
+    sinks waits. ``blocks`` names the repeated blocks (default: ``find_blocks(model)``). All-reduces (``replicate``,
+    ``hybrid_shard``) go in buckets of 25 MiB (the first 1 MiB) or half of ``memory_budget``, as DDP's.
     """
+    arguments = {name: value for name, value in locals().items() if name not in ("model", "compile_options")}
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
@@ -62,11 +62,7 @@ def compile_sharded(
     check_pass_options(model if isinstance(model, nn.Module) else None, buckets, reorder, prefetch, memory_budget,
                        blocks)
     if model is None:
-        return functools.partial(
-            compile_sharded, mesh=mesh, mode=mode, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-            compile=compile, backend=backend, buckets=buckets, reorder=reorder, prefetch=prefetch,
-            memory_budget=memory_budget, blocks=blocks, **compile_options,
-        )
+        return functools.partial(compile_sharded, **arguments, **compile_options)
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile_sharded expects a torch.nn.Module, got {type(model).__name__}; "
                         "wrap plain functions in an nn.Module first")

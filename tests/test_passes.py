@@ -43,7 +43,8 @@ def traced(reshard_after_forward: bool, model: nn.Module | None = None, inputs: 
     ranks."""
     torch.manual_seed(0)
     model = model or build_model("debug")
-    shard_parameters(model, init_device_mesh("cpu", (8,)), mode, ReplicateComputation(None, None, reshard_after_forward))
+    replicate = ReplicateComputation(None, None, reshard_after_forward)
+    shard_parameters(model, init_device_mesh("cpu", (8,)), mode, replicate)
     torch._dynamo.reset()
     graphs = capture_graphs(model, inputs or (torch.randint(0, 256, TOKENS),), fused_attention=False)
     return graphs, read_schedule(graphs.forward, "forward"), read_schedule(graphs.backward, "backward")

@@ -4,7 +4,7 @@ A bucket never mixes collective kinds, process groups or dtypes (such collective
 Modes: ``None``; ``"block"``, one bucket per repeated block (``find_blocks``: ``layers.0``, ``0``, ``h.0``) plus a
 ``head`` (before the blocks in the forward: the embedding) and a ``tail`` (after them; first in the backward); a
 manual plan, lists of module FQN prefixes, bucket ``i`` taking every collective under list ``i`` and the rest staying
-unbucketed; ``"auto"``, see ``simplefsdp.passes.auto_buckets``. Outside a manual plan, all-reduces (``replicate``,
+unbucketed; ``"auto"``, see ``simplefsdp.passes.auto_buckets``. With ``"block"``, all-reduces (``replicate``,
 ``hybrid_shard``'s replicas) are bucketed by bytes as DDP does: in backward order, up to half the memory budget
 (two buckets in flight, ``reorder``), by default 25 MiB (the first: 1 MiB).
 """
@@ -58,15 +58,12 @@ def find_blocks(model: nn.Module) -> tuple[str, ...]:
     blocks: list[str] = []
     for name, module in model.named_modules():
         if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) and block_of(name, blocks) is None:
-            children = {f"{name}.{key}".lstrip("."): _signature(child) for key, child in module.named_children()
+            children = {f"{name}.{key}".lstrip("."): (type(child), tuple(p.shape for p in child.parameters()))
+                        for key, child in module.named_children()
                         if not isinstance(child, (nn.ModuleList, nn.ModuleDict))}  # a block runs a forward
             counts = Counter(children.values())
             blocks += [fqn for fqn, signature in children.items() if signature[1] and counts[signature] > 1]
     return tuple(blocks)
-
-
-def _signature(module: nn.Module) -> tuple:
-    return type(module), tuple(tuple(param.shape) for param in module.parameters())
 
 
 def plan_buckets(schedule: Schedule, mode: BucketMode, blocks: Sequence[str] = (),

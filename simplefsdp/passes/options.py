@@ -43,8 +43,8 @@ def _is_name_lists(buckets: Any) -> bool:
 def _check_names(model: nn.Module, names: list[str] | None) -> None:
     modules = [name for name, _ in model.named_modules() if name]
     if unknown := [name for name in names or [] if name not in modules]:
-        raise ValueError(f"the manual bucket plan or blocks= names module(s) that {type(model).__name__} does not have: "
-                         f"{', '.join(map(repr, unknown))}; valid names: {', '.join(modules)}")
+        raise ValueError(f"the manual bucket plan or blocks= names module(s) that {type(model).__name__} does not "
+                         f"have: {', '.join(map(repr, unknown))}; valid names: {', '.join(modules)}")
 
 
 def check_manual_plan(model: nn.Module, plan: list[list[str]]) -> None:

@@ -63,9 +63,7 @@ class ReorderPlan:
 
 
 def plan_reorder(schedule: Schedule, prefetch: int = 1) -> ReorderPlan:
-    """Prefetch all-gathers ``prefetch`` buckets ahead and sink every wait (see the module docstring)."""
-    if prefetch < 0:
-        raise ValueError(f"prefetch must be 0 or more buckets, got {prefetch}")
+    """Prefetch all-gathers ``prefetch`` (0 or more) buckets ahead and sink every wait (see the module docstring)."""
     position = {node.name: index for index, node in enumerate(schedule.nodes)}
     waits = {node.waits_for: node for node in schedule.nodes if node.kind == WAIT}
     collectives = [node for node in schedule.collectives() if node.name in waits]
