@@ -51,7 +51,7 @@ def compile_sharded(
     repeated block, plus head and tail), ``None``, or a manual plan of module names
     (``[["tok_embeddings"], ["layers.0"], ...]``); ``reorder`` prefetches all-gathers ``prefetch`` buckets ahead and
     sinks waits. ``blocks`` names the repeated blocks (default: ``find_blocks(model)``). All-reduces (``replicate``,
-    ``hybrid_shard``) go in buckets of 25 MiB (the first 1 MiB) or half of ``memory_budget``, as DDP's.
+    ``hybrid_shard``) are bucketed per block (``"auto"``) or by bytes as DDP's (``"block"``).
     """
     arguments = {name: value for name, value in locals().items() if name not in ("model", "compile_options")}
     if mode not in MODES:
