@@ -25,7 +25,7 @@ from simplefsdp.ir.render import chrome_trace, stage_table, svg_timeline, text_s
 from simplefsdp.ir.schedule import Schedule
 from simplefsdp.ir.simulator import Prediction, simulate
 from simplefsdp.models.llama import build_model, get_config
-from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan
+from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan, find_blocks
 from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.passes.reorder import ReorderPlan
@@ -182,7 +182,7 @@ def inspect(
     meta_model = _meta_copy(model)
     meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
                         for x in example_inputs)
-    passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile)
+    passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile, find_blocks(model))
     with fake_world(world_size):
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
         # Sharded by compile_sharded itself, so the graphs traced here are those that run.

@@ -70,6 +70,8 @@ CONTENDERS = [
     Contender("simplefsdp", "compile_sharded with default options", _simplefsdp),
     Contender("simplefsdp-nopasses", "compile_sharded(" + ", ".join(f"{k}={v!r}" for k, v in PASSES_OFF.items()) + ")",
               partial(_simplefsdp, **PASSES_OFF)),
+    Contender("simplefsdp-replicate", "compile_sharded(mode='replicate'): DDP's layout, bucketed all-reduces",
+              partial(_simplefsdp, mode="replicate")),
     Contender("fsdp2-compile", "fully_shard on each block and the root, each block torch.compile'd",
               partial(_fsdp2, compile_blocks=True)),
     Contender("ddp-compile", "DistributedDataParallel, torch.compile'd (full precision)", _ddp_compiled),
