@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import plots
 from simplefsdp.api import compile_sharded
+from simplefsdp.ir.cost_model import wire_bytes
 from simplefsdp.ir.capture import TraceError, capture_graphs
 from simplefsdp.ir.hardware import HardwareProfile, get_profile
 from simplefsdp.ir.render import chrome_trace, stage_table, svg_timeline, text_summary
@@ -29,6 +31,7 @@ from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan
 from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.passes.reorder import ReorderPlan
+from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES
 from simplefsdp.runtime.mixed_precision import MixedPrecision
@@ -58,11 +61,12 @@ _PLAN_HEADINGS = {"bucketed": "bucket plan", "reordered": "reorder plan"}
 @dataclass
 class InspectReport:
     """The step at each stage of the passes, ``traced`` first; ``forward``, ``backward`` and ``prediction`` are the
-    last stage's, the graphs that run."""
+    last stage's, the graphs that run. ``tokens``: tokens per step per device, from the example input."""
 
     title: str
     stages: list[InspectStage]
     hardware: HardwareProfile
+    tokens: int
 
     @property
     def final(self) -> InspectStage:
@@ -126,9 +130,21 @@ class InspectReport:
         hints = ", ".join(f"{symbol}={hint}" for symbol, hint in sorted(symbols.items()))
         return f"symbolic sizes, priced at their hints: {hints}\n" if symbols else ""
 
+    def stage_records(self) -> list[dict]:
+        """Per stage, what ``summary.json`` lists: collectives, wire bytes per rank (``ir.cost_model.wire_bytes``),
+        predicted step and exposed communication in seconds, peak bytes, tokens per second per device."""
+        return [dict(
+            name=stage.name, collectives=sum(len(schedule.collectives()) for schedule in stage.schedules),
+            wire_bytes=sum(wire_bytes(node.collective) for schedule in stage.schedules
+                           for node in schedule.collectives()),
+            step_seconds=stage.prediction.step_time, exposed_comm_seconds=stage.prediction.exposed_communication,
+            peak_bytes=stage.prediction.memory.peak_bytes,
+            tokens_per_second_per_device=self.tokens / stage.prediction.step_time,
+        ) for stage in self.stages]
+
     def save(self, directory: str | Path) -> list[Path]:
         """Write the final graphs (forward.py, backward.py), each stage's graphs (``forward.0-traced.py``, ...),
-        plan.txt, summary.txt, timeline.svg, trace.json and, when matplotlib is installed, timeline.png;
+        plan.txt, summary.txt, summary.json, timeline.svg, trace.json and, when matplotlib is installed, timeline.png;
         return their paths."""
         folder = Path(directory)
         folder.mkdir(parents=True, exist_ok=True)
@@ -139,6 +155,7 @@ class InspectReport:
         contents.update({
             "plan.txt": self.plans(),
             "summary.txt": self.summary(),
+            "summary.json": json.dumps({"stages": self.stage_records()}, indent=2) + "\n",
             "timeline.svg": svg_timeline(self.title, self.schedules, self.prediction, self.hardware),
             "trace.json": chrome_trace(self.schedules, self.prediction, self.hardware),
         })
@@ -166,12 +183,14 @@ def inspect(
     memory_budget: int | None = None,
     title: str | None = None,
     dynamic: bool = False,
+    activation_checkpointing: str = "none",
 ) -> InspectReport:
     """Trace ``model`` as ``compile_sharded`` shards it on ``world_size`` ranks (default 1), run our passes, predict.
 
     Meta-device copies on a fake process group; ``model`` is not changed. ``hardware``: a profile name (``h100``,
     ``a100``, ``cpu``), a JSON path or a ``HardwareProfile``; it also prices ``buckets="auto"``. The pass options
     are ``compile_sharded``'s. ``dynamic`` traces sizes as symbols, priced at ``example_inputs``' sizes.
+    ``activation_checkpointing`` (``none``, ``selective``, ``full``) checkpoints each of ``model.layers`` as ``train``.
     """
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size
@@ -180,6 +199,10 @@ def inspect(
     check_not_sharded(model)
     mp_policy = mp_policy or MixedPrecision()
     meta_model = _meta_copy(model)
+    if activation_checkpointing != "none" and not hasattr(meta_model, "layers"):
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} checkpoints each block of "
+                         f"model.layers, and {type(model).__name__} has no layers; pass activation_checkpointing='none'")
+    apply_activation_checkpointing(getattr(meta_model, "layers", []), activation_checkpointing)
     meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
                         for x in example_inputs)
     passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile)
@@ -199,7 +222,13 @@ def inspect(
         for forward, backward in zip(forward_stages, backward_stages)
     ]
     title = title or f"{type(model).__name__}, {mode}, world {world_size} (mesh {mesh_shape}), hardware {profile.name}"
-    return InspectReport(title, stages, profile)
+    return InspectReport(title, stages, profile, _tokens(example_inputs))
+
+
+def _tokens(example_inputs: tuple) -> int:
+    """Tokens in the first tensor input: all its elements for token ids, all but the last (feature) dimension else."""
+    first = next((x for x in example_inputs if isinstance(x, torch.Tensor)), torch.empty(0))
+    return first.numel() if not first.is_floating_point() or first.dim() == 0 else first.numel() // first.shape[-1]
 
 
 def _mesh_shape(mode: str, world_size: int, devices_per_node: int) -> tuple[int, ...]:
@@ -251,6 +280,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             reshard_after_forward=args.reshard_after_forward,
             buckets=args.buckets, reorder=args.reorder,
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
+            activation_checkpointing=args.activation_checkpointing,
         )
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None

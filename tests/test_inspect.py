@@ -160,7 +160,7 @@ def test_save_writes_each_stage_plans_summary_svg_png_and_trace(fully_sharded, t
     paths = fully_sharded.save(tmp_path)
     stages = ["0-traced", "1-bucketed", "2-reordered"]
     assert sorted(path.name for path in paths) == sorted([
-        "backward.py", "forward.py", "plan.txt", "summary.txt", "timeline.svg", "timeline.png", "trace.json",
+        "backward.py", "forward.py", "plan.txt", "summary.txt", "summary.json", "timeline.svg", "timeline.png", "trace.json",
         *(f"{phase}.{stage}.py" for phase in ("forward", "backward") for stage in stages),
     ])
     assert (tmp_path / "forward.0-traced.py").read_text() == traced.forward.code
@@ -310,3 +310,35 @@ def test_inspect_shards_as_compile_sharded_does_casting_float_inputs_to_param_dt
                                 buckets=None, reorder=False)
     (x,) = [graph_input for graph_input in report.stage("traced").forward.inputs if graph_input.param_fqn is None]
     assert x.bytes == 8 * 8 * torch.bfloat16.itemsize
+
+
+def test_summary_json_lists_each_stage_with_wire_bytes_tokens_per_second_and_peak(tmp_path):
+    report = simplefsdp.inspect(TwoLinears(), (torch.randn(8, 8),), world_size=4, mp_policy=BF16_FP32)
+    report.save(tmp_path)
+    stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
+    assert [stage["name"] for stage in stages] == ["traced", "bucketed", "reordered"]
+    traced = stages[0]
+    # 144 parameter elements gathered in bf16, second.weight's 64 gathered again in backward (reshard after
+    # forward), 144 reduce-scattered in fp32, over 4 ranks: a ring sends and receives 3/4 of each full buffer.
+    assert traced["wire_bytes"] == 2 * 3 / 4 * ((144 + 64) * 2 + 144 * 4)
+    assert traced["collectives"] == 9 and stages[1]["collectives"] < 9
+    for stage, expected in zip(stages, report.stages):
+        assert stage["step_seconds"] == expected.prediction.step_time > 0
+        assert stage["exposed_comm_seconds"] == expected.prediction.exposed_communication
+        assert stage["peak_bytes"] == expected.prediction.memory.peak_bytes
+        assert stage["tokens_per_second_per_device"] == 8 / stage["step_seconds"]  # 8 rows of 8 features
+        assert stage["wire_bytes"] == traced["wire_bytes"]  # bucketing merges collectives, not bytes
+
+
+def test_activation_checkpointing_recomputes_in_backward_as_train_applies_it(fully_sharded):
+    reports = {mode: inspect_debug("fully_shard", buckets=None, reorder=False, activation_checkpointing=mode)
+               for mode in ("selective", "full")}
+    reports["none"] = fully_sharded  # the passes change neither the matmuls nor the saved tensors
+    matmuls = {mode: sum(node.op == "aten.mm.default" for node in report.backward.nodes)
+               for mode, report in reports.items()}
+    assert matmuls["full"] > matmuls["selective"] == matmuls["none"]  # full recomputes the forward's matmuls
+    saved = {mode: sum(graph_input.bytes for graph_input in report.backward.inputs)
+             for mode, report in reports.items()}
+    assert saved["full"] < saved["none"]  # full saves only each block's input (and its RNG-seeded ops)
+    with pytest.raises(ValueError, match="TwoLinears has no layers; pass activation_checkpointing='none'"):
+        simplefsdp.inspect(TwoLinears(), (torch.randn(8, 8),), activation_checkpointing="full")
