@@ -6,7 +6,6 @@ import functools
 from typing import Any, Callable, TypeVar
 
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.passes.bucket_plan import BucketMode
@@ -78,9 +77,8 @@ def compile_sharded(
         compile_options = inductor_options(overlap, compile_options)
 
     mp_policy = mp_policy or MixedPrecision()
-    # No data: a meta model gets its shards from materialize_sharded; a fake one (inspect) traces only.
-    on_meta = any(t.is_meta or is_fake(t) for t in [*model.parameters(), *model.buffers()])
-    if not on_meta:
+    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    if not on_meta:  # a meta model gets its shards from materialize_sharded
         model.to(mesh.device_type)
     check_same_model_on_all_ranks(model, mesh)
     if not on_meta:

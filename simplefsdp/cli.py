@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--dynamic", action="store_true", help="trace batch and sequence sizes as symbols")
     command.add_argument("--hardware", default="h100", help=f"{', '.join(PROFILE_NAMES)}, or a profile JSON path")
     command.add_argument("--out", default=None, help="folder for each stage's graphs, plan.txt, summary.txt, "
-                         "timeline.svg, timeline.png (with matplotlib) and trace.json")
+                         "summary.json, timeline.png (with matplotlib) and trace.json")
     command.set_defaults(run=inspection.run)
 
     command = commands.add_parser("bench", help="compare simplefsdp with FSDP2, DDP and a local baseline, side by side",

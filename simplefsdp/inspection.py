@@ -23,7 +23,7 @@ from simplefsdp.api import compile_sharded
 from simplefsdp.ir.cost_model import wire_bytes
 from simplefsdp.ir.capture import TraceError, capture_graphs
 from simplefsdp.ir.hardware import HardwareProfile, get_profile
-from simplefsdp.ir.render import chrome_trace, stage_table, svg_timeline, text_summary
+from simplefsdp.ir.render import chrome_trace, stage_table, text_summary
 from simplefsdp.ir.schedule import Schedule
 from simplefsdp.ir.simulator import Prediction, simulate
 from simplefsdp.models.llama import build_model, get_config
@@ -144,7 +144,7 @@ class InspectReport:
 
     def save(self, directory: str | Path) -> list[Path]:
         """Write the final graphs (forward.py, backward.py), each stage's graphs (``forward.0-traced.py``, ...),
-        plan.txt, summary.txt, summary.json, timeline.svg, trace.json and, when matplotlib is installed, timeline.png;
+        plan.txt, summary.txt, summary.json, trace.json and, when matplotlib is installed, timeline.png;
         return their paths."""
         folder = Path(directory)
         folder.mkdir(parents=True, exist_ok=True)
@@ -156,7 +156,6 @@ class InspectReport:
             "plan.txt": self.plans(),
             "summary.txt": self.summary(),
             "summary.json": json.dumps({"stages": self.stage_records()}, indent=2) + "\n",
-            "timeline.svg": svg_timeline(self.title, self.schedules, self.prediction, self.hardware),
             "trace.json": chrome_trace(self.schedules, self.prediction, self.hardware),
         })
         for name, text in contents.items():

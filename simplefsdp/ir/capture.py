@@ -142,9 +142,10 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 
 
 def _use_fused_attention(gm: fx.GraphModule) -> None:
-    """Point every attention call of Dynamo's graph at ``_fused_attention``."""
-    attention = [node for node in gm.graph.nodes if node.op == "call_function" and node.target in _SDPA_TARGETS]
-    for node in attention:
-        node.target = _fused_attention
-    if attention:
-        gm.recompile()
+    """Point every attention call of Dynamo's graph and its subgraphs (checkpointed blocks) at ``_fused_attention``."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            attention = [node for node in module.graph.nodes if node.op == "call_function" and node.target in _SDPA_TARGETS]
+            for node in attention:
+                node.target = _fused_attention
+            module.recompile()

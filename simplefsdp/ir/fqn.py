@@ -11,6 +11,8 @@ _ROOT = re.compile(r"""^(?:L|G)\[(['"])[^'"]*\1\]|^(?:self|fn)(?=\.|$)""")
 # Container access written as ._modules['x'], ['x'], [0] or getattr(..., 'x').
 _SUBSCRIPT = re.compile(r"""(?:\._modules)?\[(['"]?)([^'"\]]+)\1\]""")
 _WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+# A block whose forward is a partial of its own bound forward (activation checkpointing): layers.0.forward.args.0.__self__
+_BOUND_FORWARD = re.compile(r"\.forward\.args\.0\.__self__(?=\.|$)")
 
 
 def parse_module_path(path: str) -> str:
@@ -19,7 +21,7 @@ def parse_module_path(path: str) -> str:
     Wrapper names such as ``_orig_mod`` are dropped; the root alone gives ``""``.
     """
     rest = _ROOT.sub("", path.strip())
-    rest = _SUBSCRIPT.sub(lambda match: "." + match.group(2), rest)
+    rest = _BOUND_FORWARD.sub("", _SUBSCRIPT.sub(lambda match: "." + match.group(2), rest))
     parts = [part for part in rest.split(".") if part and part not in _WRAPPERS]
     return ".".join(parts)
 

@@ -26,8 +26,8 @@ class GradientSync:
 
 
 def new_accumulator(param: torch.Tensor, device: str) -> torch.Tensor:
-    """A memory-free leaf of ``param``'s full shape on ``device`` (fake when ``param`` is); ``.grad``: the pending sum."""
-    return param.new_zeros((), device=device).expand(param.shape).requires_grad_()
+    """A memory-free leaf of ``param``'s full shape on ``device``; its ``.grad`` is the pending sum."""
+    return torch.zeros((), dtype=param.dtype, device=device).expand(param.shape).requires_grad_()
 
 
 class _RouteGradient(torch.autograd.Function):
