@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -183,6 +185,7 @@ def inspect(
     title: str | None = None,
     dynamic: bool = False,
     activation_checkpointing: str = "none",
+    loss_fn: Callable[..., torch.Tensor] | None = None,
 ) -> InspectReport:
     """Trace ``model`` as ``compile_sharded`` shards it on ``world_size`` ranks (default 1), run our passes, predict.
 
@@ -190,6 +193,7 @@ def inspect(
     ``a100``, ``cpu``), a JSON path or a ``HardwareProfile``; it also prices ``buckets="auto"``. The pass options
     are ``compile_sharded``'s. ``dynamic`` traces sizes as symbols, priced at ``example_inputs``' sizes.
     ``activation_checkpointing`` (``none``, ``selective``, ``full``) checkpoints each of ``model.layers`` as ``train``.
+    ``loss_fn(output, *example_inputs)``, when given, is traced after the model, so the step includes its loss.
     """
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size
@@ -202,6 +206,8 @@ def inspect(
         raise ValueError(f"activation_checkpointing={activation_checkpointing!r} checkpoints each block of "
                          f"model.layers, and {type(model).__name__} has no layers; pass activation_checkpointing='none'")
     apply_activation_checkpointing(getattr(meta_model, "layers", []), activation_checkpointing)
+    if loss_fn is not None:  # the copy's forward, as checkpointing wraps a block's: module names do not change
+        meta_model.forward = functools.partial(_forward_and_loss, meta_model.forward, loss_fn)
     meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
                         for x in example_inputs)
     passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile)
@@ -256,6 +262,17 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def _forward_and_loss(forward: Callable, loss_fn: Callable, *inputs) -> torch.Tensor:
+    return loss_fn(forward(*inputs), *inputs)
+
+
+def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``train``'s loss: cross-entropy of predicting each next token, in fp32, written as the log-softmax and gather
+    that ``F.cross_entropy`` runs (its ``nll_loss`` has no autograd kernel on the meta device)."""
+    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return -log_probs.gather(-1, tokens[:, 1:, None]).mean()
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Trace the named model on the meta device, run the passes, print the summary, write the files to ``--out``."""
     config = get_config(args.model)
@@ -279,7 +296,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             reshard_after_forward=args.reshard_after_forward,
             buckets=args.buckets, reorder=args.reorder,
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
-            activation_checkpointing=args.activation_checkpointing,
+            activation_checkpointing=args.activation_checkpointing, loss_fn=_next_token_loss,
         )
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None

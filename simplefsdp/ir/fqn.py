@@ -10,8 +10,9 @@ from torch import fx
 _ROOT = re.compile(r"""^(?:L|G)\[(['"])[^'"]*\1\]|^(?:self|fn)(?=\.|$)""")
 # Container access written as ._modules['x'], ['x'], [0] or getattr(..., 'x').
 _SUBSCRIPT = re.compile(r"""(?:\._modules)?\[(['"]?)([^'"\]]+)\1\]""")
-_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
-# A block whose forward is a partial of its own bound forward (activation checkpointing): layers.0.forward.args.0.__self__
+# __self__: the module of a bound forward that a partial wraps (L['forward'].__self__.norm: inspect's loss).
+_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "__self__")
+# A block whose forward is a partial of its own bound forward (activation checkpointing).
 _BOUND_FORWARD = re.compile(r"\.forward\.args\.0\.__self__(?=\.|$)")
 
 
