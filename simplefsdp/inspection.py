@@ -77,13 +77,11 @@ class InspectReport:
 
     def stage(self, name: str) -> InspectStage:
         """The stage called ``name``; ``KeyError`` naming the stages this report has when there is none."""
-        for stage in self.stages:
-            if stage.name == name:
-                return stage
-        raise KeyError(
-            f"no {name!r} stage; this report has {', '.join(s.name for s in self.stages)} "
-            "(a pass that is off has no stage)"
-        )
+        found = [stage for stage in self.stages if stage.name == name]
+        if not found:
+            raise KeyError(f"no {name!r} stage; this report has {', '.join(s.name for s in self.stages)} "
+                           "(a pass that is off has no stage)")
+        return found[0]
 
     @property
     def forward(self) -> Schedule:
@@ -122,7 +120,7 @@ class InspectReport:
 
     def summary(self) -> str:
         """The text summary: one row per stage, the plans, then the final graphs' predictions and collectives."""
-        table = stage_table([(stage.name, stage.schedules, stage.prediction) for stage in self.stages])
+        table = stage_table(self.stage_records())
         final = text_summary(f"{self.final.name} graphs (what runs)", self.schedules, self.prediction, self.hardware)
         return f"{self.title}\n{self.symbolic_sizes()}{table}\n{self.plans()}\n{final}"
 

@@ -197,6 +197,8 @@ def test_cli_without_passes_keeps_only_the_traced_stage(tmp_path, capsys):
     assert "no passes applied" in out and "traced graphs (what runs)" in out
     assert sorted(path.name for path in tmp_path.glob("*ward*.py")) == [
         "backward.0-traced.py", "backward.py", "forward.0-traced.py", "forward.py"]
+    # the CLI traces train's next-token loss after the model: its log-softmax and gather end the forward
+    assert "torch.ops.aten.gather.default" in (tmp_path / "forward.py").read_text()
 
 
 def test_cli_without_matplotlib_writes_everything_but_the_png_and_says_so(tmp_path, capsys, monkeypatch):

@@ -89,15 +89,12 @@ def text_summary(title: str, schedules: list[Schedule], prediction: Prediction, 
     return "\n".join(lines) + "\n"
 
 
-def stage_table(stages: list[tuple[str, list[Schedule], Prediction]]) -> str:
-    """One row per stage (name, its schedules, their prediction): collectives, step, exposed communication, peak."""
+def stage_table(records: list[dict]) -> str:
+    """One row per stage record (``InspectReport.stage_records``): collectives, step, exposed communication, peak."""
     lines = [f"{'stage':10}  {'collectives':>11}  {'predicted step':>14}  {'exposed comm.':>13}  {'peak memory':>11}"]
-    for name, schedules, prediction in stages:
-        collectives = sum(len(schedule.collectives()) for schedule in schedules)
-        lines.append(
-            f"{name:10}  {collectives:>11}  {format_seconds(prediction.step_time):>14}  "
-            f"{format_seconds(prediction.exposed_communication):>13}  {format_bytes(prediction.memory.peak_bytes):>11}"
-        )
+    lines += [f"{record['name']:10}  {record['collectives']:>11}  {format_seconds(record['step_seconds']):>14}  "
+              f"{format_seconds(record['exposed_comm_seconds']):>13}  {format_bytes(record['peak_bytes']):>11}"
+              for record in records]
     return "\n".join(lines) + "\n"
 
 
