@@ -201,8 +201,8 @@ def inspect(
     mp_policy = mp_policy or MixedPrecision()
     meta_model = _meta_copy(model)
     if activation_checkpointing != "none" and not hasattr(meta_model, "layers"):
-        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} checkpoints each block of "
-                         f"model.layers, and {type(model).__name__} has no layers; pass activation_checkpointing='none'")
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} checkpoints each block of model."
+                         f"layers, and {type(model).__name__} has no layers; pass activation_checkpointing='none'")
     apply_activation_checkpointing(getattr(meta_model, "layers", []), activation_checkpointing)
     if loss_fn is not None:  # the copy's forward, as checkpointing wraps a block's: module names do not change
         meta_model.forward = functools.partial(_forward_and_loss, meta_model.forward, loss_fn)
@@ -244,10 +244,8 @@ def _mesh_shape(mode: str, world_size: int, devices_per_node: int) -> tuple[int,
         return (world_size,)
     per_node = min(devices_per_node, world_size)
     if world_size % per_node:
-        raise ValueError(
-            f"world size {world_size} does not fit the hybrid_shard mesh (nodes, {per_node} ranks per node); "
-            f"pass a multiple of {per_node}, or a hardware profile whose devices_per_node divides it"
-        )
+        raise ValueError(f"world size {world_size} does not fit the hybrid_shard mesh (nodes, {per_node} ranks per node); "
+                         f"pass a multiple of {per_node}, or a hardware profile whose devices_per_node divides it")
     return (world_size // per_node, per_node)
 
 
@@ -276,26 +274,21 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     config = get_config(args.model)
     seq_len = args.seq_len or config.max_seq_len
     if args.batch_size < 1 or not 1 <= seq_len <= config.max_seq_len:
-        raise SystemExit(
-            f"simplefsdp inspect: --batch-size must be at least 1 and --seq-len between 1 and "
-            f"{config.max_seq_len} (the maximum of {args.model})"
-        )
+        raise SystemExit(f"simplefsdp inspect: --batch-size must be at least 1 and --seq-len between 1 and "
+                         f"{config.max_seq_len} (the maximum of {args.model})")
     with torch.device("meta"):
         model = build_model(args.model)
     tokens = torch.zeros(args.batch_size, seq_len, dtype=torch.long, device="meta")
-    title = (
-        f"{args.model}, {args.mode}, world {args.world_size}, hardware {args.hardware}, "
-        f"{args.batch_size}x{seq_len} tokens per rank, params {str(args.param_dtype).removeprefix('torch.')}"
-    )
+    title = (f"{args.model}, {args.mode}, world {args.world_size}, hardware {args.hardware}, "
+             f"{args.batch_size}x{seq_len} tokens per rank, params {str(args.param_dtype).removeprefix('torch.')}, "
+             f"activation checkpointing {args.activation_checkpointing}")
     try:
         report = inspect(
             model, (tokens,), world_size=args.world_size, mode=args.mode, hardware=args.hardware,
             mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
-            reshard_after_forward=args.reshard_after_forward,
-            buckets=args.buckets, reorder=args.reorder,
+            reshard_after_forward=args.reshard_after_forward, buckets=args.buckets, reorder=args.reorder,
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
-            activation_checkpointing=args.activation_checkpointing, loss_fn=_next_token_loss,
-        )
+            activation_checkpointing=args.activation_checkpointing, loss_fn=_next_token_loss)
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None
     print(report.summary(), end="")
