@@ -244,8 +244,8 @@ def _mesh_shape(mode: str, world_size: int, devices_per_node: int) -> tuple[int,
         return (world_size,)
     per_node = min(devices_per_node, world_size)
     if world_size % per_node:
-        raise ValueError(f"world size {world_size} does not fit the hybrid_shard mesh (nodes, {per_node} ranks per node); "
-                         f"pass a multiple of {per_node}, or a hardware profile whose devices_per_node divides it")
+        raise ValueError(f"world size {world_size} does not fit the hybrid_shard mesh (nodes, {per_node} ranks "
+                         f"per node); pass a multiple of {per_node}, or a profile whose devices_per_node divides it")
     return (world_size // per_node, per_node)
 
 
