@@ -100,22 +100,10 @@ class InspectReport:
         """The final forward and backward schedule, in run order."""
         return self.final.schedules
 
-    @property
-    def sharded_param_bytes(self) -> int:
-        """Bytes of parameter shards one rank holds."""
-        return sum(graph_input.bytes for graph_input in self.forward.inputs if graph_input.param_fqn)
-
-    @property
-    def flops(self) -> float:
-        """FLOPs one rank runs in a step (forward and backward)."""
-        return sum(node.flops for schedule in self.schedules for node in schedule.nodes)
-
     def plans(self) -> str:
         """The bucket plan and the reorder plan of both graphs, as text (what ``plan.txt`` holds)."""
-        sections = [
-            f"{_PLAN_HEADINGS[stage.name]}\n{stage.forward_plan}\n{stage.backward_plan}\n"
-            for stage in self.stages[1:]
-        ]
+        sections = [f"{_PLAN_HEADINGS[stage.name]}\n{stage.forward_plan}\n{stage.backward_plan}\n"
+                    for stage in self.stages[1:]]
         return "\n".join(sections) or "no passes applied (buckets=None, reorder=False): the graphs run as traced\n"
 
     def summary(self) -> str:

@@ -48,13 +48,9 @@ def collective_rows(schedules: list[Schedule], prediction: Prediction, hardware:
     return rows
 
 
-def _bucket_names(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> dict[tuple, str]:
-    return {(row["phase"], row["name"]): row["bucket"] for row in collective_rows(schedules, prediction, hardware)}
-
-
 def span_colours(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> list[str]:
     """The colour of each span of ``prediction``, in order: compute by phase, a collective by its bucket."""
-    buckets = _bucket_names(schedules, prediction, hardware)
+    buckets = {(row["phase"], row["name"]): row["bucket"] for row in collective_rows(schedules, prediction, hardware)}
     return [
         _PHASE_COLOURS[span.phase] if span.stream == "compute"
         else _PALETTE[int(buckets[span.phase, span.name][1:]) % len(_PALETTE)]
@@ -100,7 +96,7 @@ def stage_table(records: list[dict]) -> str:
 
 def chrome_trace(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> str:
     """Chrome / Perfetto trace JSON: thread 0 compute, thread 1 communication, a memory counter."""
-    buckets = _bucket_names(schedules, prediction, hardware)
+    buckets = {(row["phase"], row["name"]): row["bucket"] for row in collective_rows(schedules, prediction, hardware)}
     events = [
         {"ph": "M", "pid": 0, "tid": 0, "name": "thread_name", "args": {"name": "compute"}},
         {"ph": "M", "pid": 0, "tid": 1, "name": "thread_name", "args": {"name": "communication"}},
