@@ -56,6 +56,7 @@ def _workload(model: str, batch_size: int, seq_len: int | None, dtypes: tuple) -
 
 def _sharding() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--activation-checkpointing", default="none", choices=AC_MODES, help="per transformer block")
     parser.add_argument("--mode", default="fully_shard", choices=MODES)
     parser.add_argument("--no-reshard", dest="reshard_after_forward", action="store_false",
                         help="keep gathered parameters from forward to backward")
@@ -89,7 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
                          help="each step draws its sequence length in [seq-len/2, seq-len] from --seed")
     command.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step; gradients reduce once")
     command.add_argument("--max-norm", type=float, default=None, help="clip the total gradient norm to this value")
-    command.add_argument("--activation-checkpointing", default="none", choices=AC_MODES, help="per transformer block")
     command.add_argument("--init-on-meta", action="store_true", help="build on meta, allocate and initialize shards only")
     command.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints (DCP) here")
     command.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps; the last step always")
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--dynamic", action="store_true", help="trace batch and sequence sizes as symbols")
     command.add_argument("--hardware", default="h100", help=f"{', '.join(PROFILE_NAMES)}, or a profile JSON path")
     command.add_argument("--out", default=None, help="folder for each stage's graphs, plan.txt, summary.txt, "
-                         "timeline.svg, timeline.png (with matplotlib) and trace.json")
+                         "summary.json, timeline.png (with matplotlib) and trace.json")
     command.set_defaults(run=inspection.run)
 
     command = commands.add_parser("bench", help="compare simplefsdp with FSDP2, DDP and a local baseline, side by side",

@@ -85,7 +85,7 @@ backward: 4 prefetch(es), 3 sunk wait(s)
 reordered graphs (what runs)
 predicted step 870.0 us: compute 799.8 us, communication 223.4 us, exposed 70.2 us, overlap 68.6%, lower bound 799.8 us
 peak memory per rank 1.12 MiB at backward:mul_38: sharded_params 64.16 KiB, unsharded_params 96.25 KiB, gradients 8.03 KiB, comm_buffers 0 B, activations 975.30 KiB
-FLOPs per rank per step 1.174e+08
+FLOPs per rank per step 1.028e+08
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  forward   all_gather      f0      tok_embeddings                        8  bfloat16    32.00 KiB     17.1 us  no, stalls 17.1 us
@@ -111,7 +111,7 @@ def test_fully_shard_traced_graphs(fully_shard):
 debug, fully_shard, world 8, h100
 predicted step 1.905 ms: compute 849.0 us, communication 1.056 ms, exposed 1.056 ms, overlap 0.0%, lower bound 1.056 ms
 peak memory per rank 915.23 KiB at backward:mul_38: sharded_params 64.16 KiB, unsharded_params 0 B, gradients 20.03 KiB, comm_buffers 0 B, activations 831.05 KiB
-FLOPs per rank per step 1.174e+08
+FLOPs per rank per step 1.028e+08
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  forward   all_gather      f0      tok_embeddings                        8  bfloat16    32.00 KiB     17.1 us  no, stalls 17.1 us
@@ -205,7 +205,7 @@ backward: 0 prefetch(es), 3 sunk wait(s)
 reordered graphs (what runs)
 predicted step 845.9 us: compute 821.6 us, communication 98.5 us, exposed 24.3 us, overlap 75.3%, lower bound 821.6 us
 peak memory per rank 1.61 MiB at backward:mul_38: sharded_params 513.25 KiB, unsharded_params 0 B, gradients 64.25 KiB, comm_buffers 0 B, activations 1.05 MiB
-FLOPs per rank per step 1.174e+08
+FLOPs per rank per step 1.028e+08
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  backward  all_reduce      b0      output                                8  float32     64.25 KiB     24.3 us  yes
@@ -263,7 +263,7 @@ backward: 4 prefetch(es), 3 sunk wait(s)
 reordered graphs (what runs)
 predicted step 918.6 us: compute 805.9 us, communication 245.9 us, exposed 112.7 us, overlap 54.2%, lower bound 805.9 us
 peak memory per rank 1.31 MiB at backward:all_gather_into_tensor_out_1: sharded_params 128.31 KiB, unsharded_params 192.50 KiB, gradients 16.06 KiB, comm_buffers 0 B, activations 1007.80 KiB
-FLOPs per rank per step 1.174e+08
+FLOPs per rank per step 1.028e+08
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  forward   all_gather      f0      tok_embeddings                        4  bfloat16    32.00 KiB     13.1 us  no, stalls 13.1 us
