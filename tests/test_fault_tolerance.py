@@ -22,6 +22,9 @@ if platform.machine() != "x86_64":
     pytest.skip("torchft 0.2.0 publishes x86-64 wheels only", allow_module_level=True)
 
 GROUPS = ["--nproc", "1", "--fault-tolerant", "--replica-groups", "2", "--grad-accum", "1", "--max-norm", "1e9"]
+# Steps of at least half a second keep the survivor training (60 steps, 30 s) while the killed group restarts
+# (about 5 s here: a new process imports torch and torchft, builds the model and joins the quorum).
+STEP_SLEEP = 0.5
 STEP = re.compile(r"^step +(\d+)/\d+  loss (\S+) .* group (\d) replicas (\d)/2(  not committed)?$", re.M)
 
 
@@ -80,7 +83,7 @@ def test_without_failures_two_groups_train_bitwise_like_replicate_on_the_same_gl
 
 
 def test_a_group_killed_mid_run_restarts_heals_and_rejoins_while_the_other_never_stops():
-    job = train(*GROUPS, "--steps", "60", kill="0:optimizer-step:3:1", timeout=600)
+    job = train(*GROUPS, "--steps", "60", kill="0:optimizer-step:3:1", step_sleep=STEP_SLEEP, timeout=600)
     assert job.returncode == 0, job.stderr[-3000:]
     survivor, restarted = steps(job.stdout, 0), [step for step, *_ in steps(job.stdout, 1)]
     assert [step for step, *_ in survivor] == list(range(1, 61)) and all(ok for *_, ok in survivor)
@@ -93,7 +96,7 @@ def test_a_group_killed_mid_run_restarts_heals_and_rejoins_while_the_other_never
 
 
 def test_a_kill_during_the_cross_replica_all_reduce_commits_that_step_nowhere_and_corrupts_nothing():
-    job = train(*GROUPS, "--steps", "40", kill="0:cross-replica:3:1", timeout=600)
+    job = train(*GROUPS, "--steps", "60", kill="0:cross-replica:3:1", step_sleep=STEP_SLEEP, timeout=600)
     assert job.returncode == 0, job.stderr[-3000:]
     survivor = steps(job.stdout, 0)
     failed = [index for index, (*_, ok) in enumerate(survivor) if not ok]
@@ -101,5 +104,5 @@ def test_a_kill_during_the_cross_replica_all_reduce_commits_that_step_nowhere_an
     # The retried step trains the same batch from the same parameters, so it prints the failed attempt's loss.
     retry = survivor[failed[0] + 1]
     assert retry[0] == 3 and retry[3] and retry[1] == survivor[failed[0]][1]
-    assert [step for step, *_ in survivor][-1] == 40
+    assert [step for step, *_ in survivor][-1] == 60
     assert len(checksums(job.stdout)) == 2 and len(set(checksums(job.stdout).values())) == 1

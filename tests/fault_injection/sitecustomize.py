@@ -5,11 +5,19 @@ SIGKILL itself on the n-th call of the point, in the job's first run only (not a
 ``optimizer-step`` (``torch.optim.AdamW.step``), ``checkpoint-write`` (DCP's ``FileSystemWriter.write_data``,
 mid-save) or ``cross-replica`` (torchft's ``Manager.allreduce``: the other groups' all-reduce
 is under way).
+``SIMPLEFSDP_TEST_STEP_SLEEP=<seconds>`` makes every optimizer step that long, so that a short run outlasts a restart.
 """
 
 import os
 import signal
+import time
 from pathlib import Path
+
+if _sleep := float(os.environ.get("SIMPLEFSDP_TEST_STEP_SLEEP", "0")):
+    from torch.optim import AdamW as _AdamW
+
+    _step = _AdamW.step
+    _AdamW.step = lambda *args, **kwargs: (time.sleep(_sleep), _step(*args, **kwargs))[1]
 
 _spec = os.environ.get("SIMPLEFSDP_TEST_KILL", "").split(":")
 _command = Path("/proc/self/cmdline").read_bytes().split(b"\0")
