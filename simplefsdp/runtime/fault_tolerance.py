@@ -18,9 +18,9 @@ from datetime import timedelta
 from urllib.parse import urlparse
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
 
 INSTALL = "install it with: pip install 'simplefsdp[ft]' (torchft 0.2.0)"
 
@@ -60,10 +60,16 @@ class ReplicaGroup:
             logging.getLogger("torchft.manager").setLevel(logging.ERROR)
         self.model, self.optimizer, self.groups = model, optimizer, groups
         process_group = (ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo)(timeout=timeout)
+        # The Manager finds its group's rank 0 through a store: a new one per start, never a dead rank's address.
+        host = os.environ["MASTER_ADDR"]
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if dist.get_rank() == 0 else None
+        port = [self.store.port if self.store else None]
+        dist.broadcast_object_list(port, src=0)
         self.manager = Manager(
             pg=process_group, min_replica_size=1, load_state_dict=self.load_state_dict, state_dict=self.state_dict,
             replica_id=f"group{group}", lighthouse_addr=lighthouse, use_async_quorum=False, init_sync=False,
-            timeout=timeout, quorum_timeout=timedelta(minutes=5), connect_timeout=timeout,
+            timeout=timeout, quorum_timeout=timedelta(minutes=5), connect_timeout=timeout, store_addr=host,
+            store_port=port[0], rank=dist.get_rank(), world_size=dist.get_world_size(),
         )
 
     def steps(self, start: int, last: int, join_seconds: float = 60.0) -> Iterator[int]:
@@ -104,8 +110,11 @@ class ReplicaGroup:
 
     def state_dict(self) -> dict:
         """What a healing group copies: local parameter and buffer shards, optimizer state, RNG."""
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {index: {key: _local(value) for key, value in state.items()}
+                              for index, state in optimizer["state"].items()}
         return {"tensors": [_local(t) for t in (*self.model.parameters(), *self.model.buffers())],
-                "optimizer": tree_map(_local, self.optimizer.state_dict()), "rng": torch.get_rng_state()}
+                "optimizer": optimizer, "rng": torch.get_rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
         """Copy a live group's state (see ``state_dict``) into this group's model and optimizer."""
@@ -113,9 +122,10 @@ class ReplicaGroup:
             for tensor, saved in zip((*self.model.parameters(), *self.model.buffers()), state["tensors"]):
                 _local(tensor).copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
-        for param, param_state in self.optimizer.state.items():
+        for param, param_state in self.optimizer.state.items():  # moments are DTensors like their parameter
             for key, value in param_state.items():
-                if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() and not isinstance(value, DTensor):
+                if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() \
+                        and not isinstance(value, DTensor):
                     param_state[key] = DTensor.from_local(value, param.device_mesh, param.placements,
                                                           shape=param.shape, stride=param.stride())
         torch.set_rng_state(state["rng"])
