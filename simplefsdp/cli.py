@@ -6,6 +6,7 @@ Each command runs a library function on the parsed options; those modules never 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -97,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--data", default=None, help="a text file (byte tokens); synthetic tokens when absent")
     command.add_argument("--no-compile", dest="compile", action="store_false", help="run the sharded model eagerly")
     command.add_argument("--plot", default=None, metavar="PATH", help="write the loss per step as a PNG (matplotlib)")
+    command.add_argument("--fault-tolerant", action="store_true",
+                         help="replica groups on torchft: a failed group drops out, restarts and heals (the ft extra)")
+    command.add_argument("--replica-groups", type=int, default=2, help="with --fault-tolerant: groups of --nproc ranks")
+    command.add_argument("--replica-group", type=int, default=None,
+                         help="this group's index, under your own torchrun (started by --fault-tolerant otherwise)")
+    command.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"),
+                         help="a running torchft lighthouse, http://HOST:PORT (default: $TORCHFT_LIGHTHOUSE, else "
+                              "one started locally)")
+    command.add_argument("--max-restarts", type=int, default=3, help="with --fault-tolerant: restarts per group")
     command.set_defaults(run=train.run)
 
     command = commands.add_parser("inspect", help="trace a reference model at any world size and predict its step",
