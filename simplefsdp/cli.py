@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--world-size", type=int, default=8, help="ranks to shard over (traced in this process)")
     command.add_argument("--dynamic", action="store_true", help="trace batch and sequence sizes as symbols")
     command.add_argument("--hardware", default="h100", help=f"{', '.join(PROFILE_NAMES)}, or a profile JSON path")
+    command.add_argument("--replica-groups", type=int, default=1,
+                         help="price train --fault-tolerant: groups of --world-size ranks averaging after backward")
     command.add_argument("--out", default=None, help="folder for each stage's graphs, plan.txt, summary.txt, "
                          "summary.json, timeline.png (with matplotlib) and trace.json")
     command.set_defaults(run=inspection.run)
