@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import resource
 import statistics
@@ -51,21 +52,21 @@ def check_arguments(args: argparse.Namespace) -> None:
         fail(str(error))
     if args.plot and (reason := plots.missing()):
         fail(f"--plot {args.plot}: {reason}")
-    if args.fault_tolerant:
-        check_fault_tolerant(args)
+    if args.fault_tolerant and (reason := fault_tolerant_problem(args)):
+        fail(reason)
 
 
-def check_fault_tolerant(args: argparse.Namespace) -> None:
-    """Exit with the fix when ``--fault-tolerant`` cannot run: no torchft, a mode other than fully_shard, bad counts."""
-    try:
-        import torchft  # noqa: F401
-    except ImportError:
-        fail(f"--fault-tolerant needs torchft; {INSTALL}")
+def fault_tolerant_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--fault-tolerant`` cannot run as asked (with the fix), or None."""
+    if importlib.util.find_spec("torchft") is None:
+        return f"--fault-tolerant needs torchft; {INSTALL}"
     if args.mode != "fully_shard":
-        fail(f"--fault-tolerant runs fully_shard inside each replica group, across groups it averages like "
-             f"hybrid_shard; drop --mode {args.mode}")
+        return f"--fault-tolerant runs fully_shard inside each replica group; drop --mode {args.mode}"
     if args.replica_groups < 1 or args.max_restarts < 0:
-        fail("--replica-groups must be at least 1 and --max-restarts at least 0")
+        return "--replica-groups must be at least 1 and --max-restarts at least 0"
+    if is_launched_rank() and (args.replica_group is None or args.lighthouse is None):
+        return "--fault-tolerant under torchrun needs --replica-group G and --lighthouse http://HOST:PORT"
+    return None
 
 
 def fail(message: str) -> None:
@@ -75,9 +76,6 @@ def fail(message: str) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Train on this process when launched by torchrun, else launch ``--nproc`` local ranks."""
     check_arguments(args)
-    if is_launched_rank() and args.fault_tolerant and (args.replica_group is None or args.lighthouse is None):
-        fail("--fault-tolerant under torchrun needs --replica-group G and a lighthouse "
-             "(--lighthouse http://HOST:PORT or TORCHFT_LIGHTHOUSE)")
     if not is_launched_rank():
         if not torch.cuda.is_available():
             cpu_profile()  # measure the CPU for MFU now, while no rank runs, unless its profile is cached
