@@ -57,7 +57,7 @@ def memory_profile(forward: Schedule, backward: Schedule) -> MemoryProfile:
     liveness.run("b", backward.nodes)
     for name in backward.outputs:
         if name is not None:
-            liveness.keep(f"b:{name}", "gradients")
+            liveness.use(f"b:{name}", _END, "gradients")  # held to the end of the step
     return liveness.peak()
 
 
@@ -83,18 +83,11 @@ class _Liveness:
         self.storages[key] = _Storage(int(size), category, self.step)
         self.allocated_at[self.step].append(key)
 
-    def use(self, key: str, step: int) -> None:
-        """Keep the storage behind ``key`` alive at least through ``step``."""
-        storage = self.storages.get(self.root.get(key, ""))
-        if storage is not None:
+    def use(self, key: str, step: int, category: str | None = None) -> None:
+        """Keep the storage behind ``key`` alive at least through ``step``; with ``category``, recategorise it."""
+        if (storage := self.storages.get(self.root.get(key, ""))) is not None:
             storage.last_use = max(storage.last_use, step)
-
-    def keep(self, key: str, category: str) -> None:
-        """Keep the storage behind ``key`` alive to the end of the step, as ``category``."""
-        storage = self.storages.get(self.root.get(key, ""))
-        if storage is not None:
-            storage.category = category
-            storage.last_use = _END
+            storage.category = category or storage.category
 
     def run(self, phase: str, nodes: list[ScheduleNode]) -> None:
         """Walk ``nodes`` in order: allocate each output, extend the life of each input."""
