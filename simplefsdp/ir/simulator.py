@@ -55,13 +55,11 @@ class Prediction:
         return self.stalls.get((phase, name), 0.0)
 
 
-def simulate(
-    forward: Schedule, backward: Schedule, hardware: HardwareProfile, compute_dtype: torch.dtype | None = None
-) -> Prediction:
+def simulate(forward: Schedule, backward: Schedule, hardware: HardwareProfile,
+             compute_dtype: torch.dtype | None = None) -> Prediction:
     """Replay ``forward`` then ``backward`` on two streams with ``hardware``'s costs, matmuls in ``compute_dtype``."""
-    compute_clock = comm_clock = 0.0
+    compute_clock = comm_clock = total_compute = total_comm = exposed = 0.0
     spans, stalls, collective_end, node_end_times = [], {}, {}, []
-    total_compute = total_comm = exposed = 0.0
     for schedule in (forward, backward):
         for node in schedule.nodes:
             duration = node_time(node, hardware, compute_dtype)
@@ -83,8 +81,7 @@ def simulate(
                 total_compute += duration
             node_end_times.append(compute_clock)
     step_time = max(compute_clock, comm_clock)
-    return Prediction(
-        step_time=step_time, compute_time=total_compute, communication_time=total_comm,
-        exposed_communication=exposed + (step_time - compute_clock),  # communication that outlasts the compute
-        lower_bound=max(total_compute, total_comm), memory=memory_profile(forward, backward),
-        spans=spans, stalls=stalls, node_end_times=node_end_times)
+    return Prediction(step_time=step_time, compute_time=total_compute, communication_time=total_comm,
+                      exposed_communication=exposed + (step_time - compute_clock),  # + comm. after the compute
+                      lower_bound=max(total_compute, total_comm), memory=memory_profile(forward, backward),
+                      spans=spans, stalls=stalls, node_end_times=node_end_times)
