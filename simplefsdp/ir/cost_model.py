@@ -26,10 +26,9 @@ def node_time(node: ScheduleNode, hardware: HardwareProfile, dtype: torch.dtype 
         return 0.0
     if node.alias_of is not None:
         return hardware.dispatch_overhead
-    moved = node.bytes_read + node.bytes_written
-    rate = hardware.matmul_rate(dtype or torch.float32)
     launch = hardware.dispatch_overhead + hardware.kernel_overhead
-    return launch + max(node.flops / rate, moved / hardware.memory_bandwidth)
+    return launch + max(node.flops / hardware.matmul_rate(dtype or torch.float32),
+                        (node.bytes_read + node.bytes_written) / hardware.memory_bandwidth)
 
 
 def collective_time(collective: Collective, hardware: HardwareProfile) -> float:
@@ -55,14 +54,10 @@ def collective_seconds(kind: str, size: float, ranks: tuple[int, ...], hardware:
                                                         hardware.intra_node_latency)
     if nodes > 1:
         one_way += _ring_phase(size, nodes, local * hardware.inter_node_bandwidth, hardware.inter_node_latency)
-    if kind == "all_reduce":
-        return 2 * one_way - hardware.collective_latency
-    return one_way
+    return 2 * one_way - hardware.collective_latency if kind == "all_reduce" else one_way
 
 
 def _ring_phase(size: float, ranks: int, bandwidth: float, step_latency: float) -> float:
     """A ring over ``ranks`` participants: ``ranks-1`` steps moving ``(ranks-1)/ranks`` of ``size``."""
-    if ranks <= 1:
-        return 0.0
-    return (ranks - 1) * step_latency + (ranks - 1) / ranks * size / bandwidth
+    return (ranks - 1) * step_latency + (ranks - 1) / ranks * size / bandwidth if ranks > 1 else 0.0
 
