@@ -37,9 +37,8 @@ def collective_time(collective: Collective, hardware: HardwareProfile) -> float:
 
 
 def wire_bytes(collective: Collective) -> float:
-    """Bytes one rank sends plus receives for ``collective`` in a ring: ``2 * (n-1)/n * S`` for an all-gather,
-    reduce-scatter or all-to-all of ``S`` bytes (``collective.bytes``, so a uint8 payload counts 1 byte per element)
-    over ``n`` ranks, twice that for an all-reduce (a reduce-scatter, then an all-gather)."""
+    """Bytes one rank sends plus receives for ``collective`` in a ring of ``n`` ranks: ``2 * (n-1)/n * S`` for
+    ``S = collective.bytes`` (a uint8 payload counts 1 byte per element), twice that for an all-reduce."""
     ranks = collective.group_size
     return (4 if collective.kind == "all_reduce" else 2) * (ranks - 1) / ranks * collective.bytes if ranks > 1 else 0.0
 
