@@ -26,7 +26,6 @@ _SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product
 @dataclass
 class CapturedGraphs:
     """The forward and backward FX graphs of one compiled call, and which placeholders hold which parameter."""
-
     forward: fx.GraphModule
     backward: fx.GraphModule
     param_fqns: dict[str, str]

@@ -24,7 +24,6 @@ CATEGORIES = ("sharded_params", "unsharded_params", "gradients", "comm_buffers",
 @dataclass
 class MemoryProfile:
     """Peak bytes per rank and its split by category; ``curve``: live bytes after each node, forward then backward."""
-
     peak_bytes: int
     peak_at: str
     peak_by_category: dict[str, int]

@@ -39,7 +39,6 @@ _WAIT_OPS = (_functional.wait_tensor.default,)
 @dataclass(frozen=True)
 class Collective:
     """One collective: its kind, process group, element dtype and the full (unsharded) buffer size."""
-
     kind: str
     group_name: str
     group_ranks: tuple[int, ...]
@@ -55,7 +54,6 @@ class Collective:
 class ScheduleNode:
     """One operation of the graph. ``alias_of`` names the node whose storage this one shares (views, waits, tuple
     items); these allocate and cost nothing, except the items of an op returning several new tensors (ir.memory)."""
-
     name: str
     kind: str
     op: str
@@ -72,7 +70,6 @@ class ScheduleNode:
 @dataclass(frozen=True)
 class GraphInput:
     """A graph placeholder that holds a tensor: its size and, for parameter shards, the parameter's FQN."""
-
     name: str
     bytes: int
     param_fqn: str | None = None
@@ -82,7 +79,6 @@ class GraphInput:
 class Schedule:
     """One graph (``phase`` is ``"forward"`` or ``"backward"``) read into ordered nodes and a ``networkx`` DAG;
     ``symbols`` maps each symbolic size of the graph's inputs to the hint its sizes were read at."""
-
     phase: str
     inputs: list[GraphInput]
     nodes: list[ScheduleNode]

@@ -21,7 +21,6 @@ from simplefsdp.ir.schedule import COLLECTIVE, WAIT, Schedule
 @dataclass(frozen=True)
 class Span:
     """One node's interval on a stream, in seconds from the start of the step."""
-
     name: str
     phase: str
     stream: str
@@ -34,7 +33,6 @@ class Span:
 @dataclass
 class Prediction:
     """What the simulator predicts for one training step (forward + backward) on one rank."""
-
     step_time: float
     compute_time: float
     communication_time: float
