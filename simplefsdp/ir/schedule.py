@@ -155,14 +155,14 @@ def _read_node(fx_node: fx.Node, fqns: dict[str, str]) -> ScheduleNode:
         while source.target is operator.getitem:  # a tuple item: the wait belongs to the collective that made it
             source = source.args[0]
         return ScheduleNode(kind=WAIT, waits_for=source.name, alias_of=call.args[0].name, **common)
-    common["bytes_written"] = _output_bytes(fx_node)
+    common["bytes_written"] = _bytes_of(tree_flatten(fx_node.meta.get("val"))[0])
     if target in _COLLECTIVES:
-        return ScheduleNode(kind=COLLECTIVE, collective=_read_collective(fx_node, call), **common)
+        return ScheduleNode(kind=COLLECTIVE, collective=_read_collective(call, common["bytes_written"]), **common)
     if (alias := _aliased_input(call)) is not None:
         return ScheduleNode(kind=COMPUTE, alias_of=alias, **common)
-    tensors = dict.fromkeys(arg for arg in tree_flatten((call.args, call.kwargs))[0]
-                            if isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor))
-    return ScheduleNode(kind=COMPUTE, flops=_flops(fx_node, call), bytes_read=_bytes_of(tensors), **common)
+    read = dict.fromkeys(arg for arg in tree_flatten((call.args, call.kwargs))[0] if isinstance(arg, fx.Node))
+    bytes_read = _bytes_of(arg.meta.get("val") for arg in read)
+    return ScheduleNode(kind=COMPUTE, flops=_flops(fx_node, call), bytes_read=bytes_read, **common)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -175,14 +175,9 @@ def _as_size(value) -> int:
     return optimization_hint(value) if isinstance(value, torch.SymInt) else int(value)
 
 
-def _bytes_of(nodes) -> int:
-    """Bytes of the tensor values of ``nodes``."""
-    return sum((tensor_bytes(node.meta["val"]) for node in nodes), 0)
-
-
-def _output_bytes(fx_node: fx.Node) -> int:
-    return sum((tensor_bytes(value) for value in tree_flatten(fx_node.meta.get("val"))[0]
-                if isinstance(value, torch.Tensor)), 0)
+def _bytes_of(values) -> int:
+    """Bytes of the tensors among ``values``."""
+    return sum((tensor_bytes(value) for value in values if isinstance(value, torch.Tensor)), 0)
 
 
 def _aliased_input(call: _Call) -> str | None:
@@ -208,14 +203,15 @@ def _flops(fx_node: fx.Node, call: _Call) -> int:
     return flops // 2 if causal else flops
 
 
-def _read_collective(fx_node: fx.Node, call: _Call) -> Collective:
+def _read_collective(call: _Call, output_bytes: int) -> Collective:
     kind, size_index, full_buffer = _COLLECTIVES[call.target]
     ranks = group_ranks(call.args[-1])
     if size_index is not None and len(ranks) != call.args[size_index]:
         ranks = tuple(range(call.args[size_index]))
     sources = tree_flatten(call.args[0])[0]
-    size = _output_bytes(fx_node) if full_buffer == "output" else _bytes_of(sources)
-    return Collective(kind, str(call.args[-1]), ranks, sources[0].meta["val"].dtype, size)
+    size = output_bytes if full_buffer == "output" else _bytes_of(source.meta["val"] for source in sources)
+    return Collective(kind=kind, group_name=str(call.args[-1]), group_ranks=ranks, dtype=sources[0].meta["val"].dtype,
+                      bytes=size)
 
 
 def group_ranks(group_name: str) -> tuple[int, ...]:
