@@ -1,7 +1,6 @@
 """The schedule: a post-grad FX graph read, without changing it, into ordered compute, collective and wait nodes.
 
-FLOPs come from ``torch.utils.flop_counter`` formulas on the nodes' fake tensors; a symbolic size is read at its hint.
-"""
+FLOPs come from ``torch.utils.flop_counter`` formulas on the nodes' fake tensors, symbolic sizes at their hints."""
 
 from __future__ import annotations
 
@@ -33,7 +32,6 @@ _COLLECTIVES = {
     _functional.all_reduce_coalesced.default: ("all_reduce", None, "input"),
     _functional.all_to_all_single.default: ("all_to_all", None, "input"),
 }
-_WAIT_OPS = (_functional.wait_tensor.default,)
 
 
 @dataclass(frozen=True)
@@ -150,7 +148,7 @@ def _read_node(fx_node: fx.Node, fqns: dict[str, str]) -> ScheduleNode:
     target = call.target
     op = str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
     common = dict(name=fx_node.name, op=op, fqn=fqn, inputs=inputs)
-    if target in _WAIT_OPS:
+    if target is _functional.wait_tensor.default:
         source = call.args[0]
         while source.target is operator.getitem:  # a tuple item: the wait belongs to the collective that made it
             source = source.args[0]
