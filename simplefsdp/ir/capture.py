@@ -3,8 +3,7 @@
 AOTAutograd runs with Inductor's decompositions and min-cut partitioner, so the split, checkpoint tags, saved tensors,
 collectives and their order are an Inductor compile's; Inductor's post-grad pattern passes are not run, so elementwise
 ops stay unfused. On meta tensors nothing is allocated. Private details used only here: AOTAutograd's input
-descriptors (``node.meta["desc"]``), its ``_boxed_call`` marker, and ``aten._scaled_dot_product_flash_attention``.
-"""
+descriptors (``node.meta["desc"]``), its ``_boxed_call`` marker, and ``aten._scaled_dot_product_flash_attention``."""
 
 from __future__ import annotations
 

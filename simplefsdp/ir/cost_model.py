@@ -7,8 +7,7 @@ Collectives: an alpha-beta model with ring factors. For ``n`` ranks and a full b
 or reduce-scatter moves ``(n-1)/n * S`` through each rank's link (NCCL's "bus bandwidth" convention) in ``n-1`` steps;
 an all-reduce is a reduce-scatter followed by an all-gather. A group spanning ``N`` nodes of ``g`` ranks runs
 hierarchically: the inter-node phase moves ``(N-1)/N * S`` bytes through the node's ``g`` network links at once, the
-intra-node phase ``(g-1)/g * S`` over NVLink; the phases add up.
-"""
+intra-node phase ``(g-1)/g * S`` over NVLink; the phases add up."""
 
 from __future__ import annotations
 

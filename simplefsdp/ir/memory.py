@@ -7,8 +7,7 @@ gradients) are held for the whole step.
 
 Categories: ``sharded_params`` (what each rank keeps: shards, or whole parameters in replicate mode),
 ``unsharded_params`` (all-gather outputs), ``gradients`` (reduce-scatter / all-reduce outputs and returned gradients),
-``comm_buffers`` (tensors made only to feed a collective, e.g. a shard cast to the compute dtype) and ``activations``.
-"""
+``comm_buffers`` (tensors made only for a collective, e.g. a shard cast to the compute dtype) and ``activations``."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The compute stream runs nodes in program order. A collective is issued when the compute stream reaches it and runs
 on the communication stream, after the collectives issued before it. A wait blocks the compute stream until its
 collective ends; that stall is exposed communication. The backward starts when the forward's compute stream ends.
-The lower bound of any schedule of these nodes on two streams is ``max(total compute, total communication)``.
-"""
+The lower bound of any schedule of these nodes on two streams is ``max(total compute, total communication)``."""
 
 from __future__ import annotations
 
