@@ -34,17 +34,12 @@ def format_seconds(seconds: float) -> str:
 
 def collective_rows(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> list[dict]:
     """One row per collective of the step: phase, kind, bucket, module, group size, dtype, bytes, time, hidden."""
-    rows = []
-    for schedule in schedules:
-        for index, node in enumerate(schedule.collectives()):
-            collective = node.collective
-            rows.append(dict(
-                phase=schedule.phase, kind=collective.kind, bucket=f"{schedule.phase[0]}{index}",
-                module=node.fqn or "(top)", group=collective.group_size,
-                dtype=str(collective.dtype).removeprefix("torch."), bytes=collective.bytes,
-                time=collective_time(collective, hardware),
-                stall=prediction.stall(schedule.phase, node.name), name=node.name))
-    return rows
+    return [dict(phase=schedule.phase, kind=node.collective.kind, bucket=f"{schedule.phase[0]}{index}",
+                 module=node.fqn or "(top)", group=node.collective.group_size,
+                 dtype=str(node.collective.dtype).removeprefix("torch."), bytes=node.collective.bytes,
+                 time=collective_time(node.collective, hardware), stall=prediction.stall(schedule.phase, node.name),
+                 name=node.name)
+            for schedule in schedules for index, node in enumerate(schedule.collectives())]
 
 
 def span_colours(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> list[str]:
