@@ -44,9 +44,8 @@ class BucketPlan:
     def __str__(self) -> str:
         found = f", {len(self.blocks)} block(s) {self.blocks[0]} .. {self.blocks[-1]}" if self.blocks else ""
         lines = [f"{self.phase}: {len(self.buckets)} bucket(s){found}"]
-        for bucket in self.buckets:
-            owners = ", ".join(dict.fromkeys(bucket.owners))
-            lines.append(f"  {bucket.kind} {bucket.name}: {len(bucket.collectives)} collective(s) [{owners}]")
+        lines += [f"  {b.kind} {b.name}: {len(b.collectives)} collective(s) [{', '.join(dict.fromkeys(b.owners))}]"
+                  for b in self.buckets]
         return "\n".join(lines)
 
 
@@ -70,8 +69,7 @@ def plan_buckets(schedule: Schedule, mode: BucketMode, blocks: Sequence[str] = (
     if mode is None:
         return BucketPlan(schedule.phase, ())
     if mode == "block":
-        names = {**all_reduce_names(schedule, memory_budget),
-                 **block_names(schedule, bucketable(schedule), blocks)}
+        names = {**all_reduce_names(schedule, memory_budget), **block_names(schedule, bucketable(schedule), blocks)}
     elif isinstance(mode, str):
         raise ValueError(f"plan_buckets takes None, 'block' or a manual plan, got {mode!r}")
     else:

@@ -76,8 +76,7 @@ def plan_reorder(schedule: Schedule, prefetch: int = 1) -> ReorderPlan:
         if position[later.name] > position[wait.name]:
             anchor = _first_compute(schedule.nodes[position[start]:]) or start
             prefetches.append(Prefetch(later.name, wait.name, anchor))
-    moved = tuple(sink for sink in sinks.values() if sink.moves(position))
-    return ReorderPlan(schedule.phase, tuple(prefetches), moved)
+    return ReorderPlan(schedule.phase, tuple(prefetches), tuple(s for s in sinks.values() if s.moves(position)))
 
 
 def _sink(schedule: Schedule, wait: ScheduleNode, collectives: list[ScheduleNode], position: dict) -> Sink:
