@@ -17,20 +17,16 @@ COMPILE_OPTIONS = ("fullgraph", "dynamic", "mode", "options", "disable")
 
 def check_compile_options(options: dict[str, Any]) -> None:
     """Raise ``TypeError`` for a keyword that ``torch.compile`` does not take."""
-    unknown = sorted(set(options) - set(COMPILE_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"unknown option(s) {', '.join(unknown)}; compile_sharded passes only these on to torch.compile: "
-            f"{', '.join(COMPILE_OPTIONS)}"
-        )
+    if unknown := sorted(set(options) - set(COMPILE_OPTIONS)):
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; compile_sharded passes only these on to "
+                        f"torch.compile: {', '.join(COMPILE_OPTIONS)}")
 
 
 def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any]) -> None:
     """``module.compile(...)``, keeping the module object and ``state_dict`` keys; the first call names graph breaks.
 
     The compiled call (``nn.Module._compiled_call_impl``, private) is a frame of ours, since Dynamo skips frames of
-    ``torch.nn`` code: ``module.compile()`` would compile nothing of a root ``nn.Sequential`` or ``nn.Linear``.
-    """
+    ``torch.nn`` code: ``module.compile()`` would compile nothing of a root ``nn.Sequential`` or ``nn.Linear``."""
     key_meshes_by_value()
 
     def sharded_call(*args, **kwargs):
@@ -43,11 +39,10 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
 def key_meshes_by_value() -> None:
     """Make Inductor's FX graph cache key a ``DeviceMesh`` graph input by its value (idempotent).
 
-    PyTorch 2.13 keys it by ``_hash``, a string hash that differs in every process (``PYTHONHASHSEED``), so no second
-    process would hit the cache; ``_stable_hash`` (AOTAutograd's key) covers ranks, layout, device and dim names, and
-    the names of this rank's process groups (baked into the graph's collectives) tell apart ranks of a 2-D mesh
-    that sit in different groups.
-    """
+    PyTorch 2.13 keys it by ``_hash``, a string hash that differs in every process (``PYTHONHASHSEED``), so no
+    second process would hit the cache; ``_stable_hash`` (AOTAutograd's key) covers ranks, layout, device and dim
+    names, and the names of this rank's process groups (baked into the graph's collectives) tell apart ranks of a
+    2-D mesh that sit in different groups."""
     FxGraphCachePickler._reduce_fake_script_object = _reduce_mesh_by_value
 
 
@@ -73,12 +68,9 @@ def _warn_on_graph_breaks(compiled: Callable, name: str) -> Callable:
         checked = True
         if breaks := Counter(counters["graph_break"]) - before:
             reasons = "; ".join(f"{reason.splitlines()[0]} (x{count})" for reason, count in breaks.items())
-            warnings.warn(
-                f"{name} graph-breaks {sum(breaks.values())} time(s): {reasons}. Training stays correct "
-                "(each compiled piece keeps its own collectives) but communication cannot overlap across "
-                "a break; pass fullgraph=True to fail on the first one.",
-                stacklevel=2,
-            )
+            warnings.warn(f"{name} graph-breaks {sum(breaks.values())} time(s): {reasons}. Training stays correct "
+                          "(each compiled piece keeps its own collectives) but communication cannot overlap across "
+                          "a break; pass fullgraph=True to fail on the first one.", stacklevel=2)
         return result
 
     return call
