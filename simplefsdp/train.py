@@ -69,6 +69,12 @@ def fault_tolerant_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def print_line(message: str, **_) -> None:
+    """Print ``message`` and its newline in one write: lines of replica groups sharing a pipe never interleave."""
+    sys.stdout.write(f"{message}\n")
+    sys.stdout.flush()
+
+
 def fail(message: str) -> None:
     raise SystemExit(f"simplefsdp train: {message}")
 
@@ -128,7 +134,7 @@ def train(args: argparse.Namespace) -> None:
     data_rank, data_world = (args.replica_group * world + rank, args.replica_groups * world) if replicas else (rank, world)
     tokens = load_tokens(args.data, args.seed)
     device = next(model.parameters()).device
-    say = print if rank == 0 else (lambda *_, **__: None)
+    say = print_line if rank == 0 else (lambda *_, **__: None)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
     flops_per_step, peak = (step_flops(args.model, args.batch_size, args.seq_len) * args.grad_accum * world,
                             peak_flops_per_second(device, args.param_dtype or torch.float32)) if rank == 0 else (0, None)
