@@ -281,9 +281,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         raise SystemExit(f"simplefsdp inspect: --batch-size must be at least 1 and --seq-len between 1 and "
                          f"{config.max_seq_len} (the maximum of {args.model})")
     with torch.device("meta"):
-        model = build_model(args.model)
+        model = build_model(args.model, n_layers=args.layers)
     tokens = torch.zeros(args.batch_size, seq_len, dtype=torch.long, device="meta")
-    title = (f"{args.model}, {args.mode}, world {args.world_size}, hardware {args.hardware}, "
+    title = (f"{args.model}{f' (layers={args.layers})' if args.layers else ''}, {args.mode}, world {args.world_size}, hardware {args.hardware}, "
              f"{args.batch_size}x{seq_len} tokens per rank, params {str(args.param_dtype).removeprefix('torch.')}, "
              f"activation checkpointing {args.activation_checkpointing}")
     try:

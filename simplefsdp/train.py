@@ -100,7 +100,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 def build(args: argparse.Namespace) -> torch.nn.Module:
     """The sharded model, initialized from ``--seed`` the same way with or without ``--init-on-meta``."""
     with torch.device("meta" if args.init_on_meta else "cpu"):
-        model = build_model(args.model)
+        model = build_model(args.model, n_layers=args.layers)
     if not args.init_on_meta:
         torch.manual_seed(args.seed)
         model.init_weights()
@@ -136,9 +136,10 @@ def train(args: argparse.Namespace) -> None:
     device = next(model.parameters()).device
     say = print_line if rank == 0 else (lambda *_, **__: None)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    flops_per_step, peak = (step_flops(args.model, args.batch_size, args.seq_len) * args.grad_accum * world,
-                            peak_flops_per_second(device, args.param_dtype or torch.float32)) if rank == 0 else (0, None)
-    say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params) on {world} rank(s), mode {args.mode}, "
+    flops_per_step, peak = (step_flops(args.model, args.layers, args.batch_size, args.seq_len) * args.grad_accum
+                            * world, peak_flops_per_second(device, args.param_dtype or torch.float32)
+                            ) if rank == 0 else (0, None)
+    say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params in {len(model.layers)} layers) on {world} rank(s), mode {args.mode}, "
         f"{args.grad_accum} x {args.batch_size}x{args.seq_len} tokens per rank per step")
 
     start = 0

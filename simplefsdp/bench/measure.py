@@ -39,7 +39,7 @@ METHODS = {
 def build(contender: Contender, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model built from ``--seed`` and wrapped by ``contender``, with its optimizer."""
     torch.manual_seed(args.seed)
-    model = contender.wrap(build_model(args.model).to(device_type()), args)
+    model = contender.wrap(build_model(args.model, n_layers=args.layers).to(device_type()), args)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
 
 
@@ -198,7 +198,7 @@ def measure(args: argparse.Namespace) -> dict | None:
         "process_group_backend": "nccl" if device_type() == "cuda" else "gloo",
         "world_size": world,
         **{option: getattr(args, option) for option in ("model", "steps", "warmup", "batch_size", "seq_len")},
-        "parameters": sum(p.numel() for p in build_model(args.model).parameters()),
+        "parameters": sum(p.numel() for p in build_model(args.model, n_layers=args.layers).parameters()),
         "param_dtype": str(args.param_dtype).removeprefix("torch.") if args.param_dtype else None,
         "reduce_dtype": str(args.reduce_dtype).removeprefix("torch.") if args.reduce_dtype else None,
         "compile_backend": args.backend,
