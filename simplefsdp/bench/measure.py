@@ -26,7 +26,8 @@ METHODS = {
                  "included (Inductor's on-disk caches make a repeated run's compilation faster)",
     "peak_memory": "CPU: bytes allocated since the contender's fresh copy started being built and not yet freed, "
                    "summed from torch.profiler allocation and free events (profile_memory=True), maximum over the "
-                   "profiled step, maximum over ranks; CUDA: torch.cuda.max_memory_allocated over that step",
+                   "profiled step, maximum over ranks; CUDA: torch.cuda.max_memory_allocated over that step, less "
+                   "the bytes allocated before the copy was built",
     "collectives": "c10d::* operator events (process-group calls, barriers excluded) in the profiled step",
     "comm": "summed duration of the backend's own collective events (e.g. gloo:all_gather, on its worker threads) "
             "in the profiled step, and its share of that step's duration (the profiler slows the step)",
@@ -117,6 +118,7 @@ def profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.T
     from torch.profiler import ProfilerActivity, profile, record_function
 
     gc.collect()
+    before = torch.cuda.memory_allocated() if device_type() == "cuda" else 0
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model, optimizer = build(contender, args)
         for step in (1, 2):
@@ -127,7 +129,7 @@ def profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.T
             gc.collect()
             with record_function(WINDOW if step == 2 else "warm-up"):
                 train_step(model, optimizer, batch)
-        cuda_peak = torch.cuda.max_memory_allocated() if device_type() == "cuda" else None
+        cuda_peak = torch.cuda.max_memory_allocated() - before if device_type() == "cuda" else None
         del model, optimizer
     counts = read_profile(prof, dist.get_backend())
     cpu_peak = counts.pop("peak_bytes")
@@ -158,10 +160,10 @@ def measure(args: argparse.Namespace) -> dict | None:
     for index, contender in enumerate(selected, 1):
         say(f"[{index}/{len(selected)}] {contender.name}: {contender.summary}: warming up ...", flush=True)
         try:
-            run = TimedRun(contender, args, tokens)
-            run.warm_up()
-            timed[contender.name] = run
+            timed[contender.name] = TimedRun(contender, args, tokens)
+            timed[contender.name].warm_up()
         except Exception as error:  # a contender that cannot run here becomes a row with the reason
+            timed.pop(contender.name, None)
             _failed(rows[contender.name], error)
             say(f"[{index}/{len(selected)}] {contender.name}: {rows[contender.name]['reason']}", flush=True)
     say(f"measuring {args.steps} steps of {', '.join(timed)}, interleaved ...", flush=True)
@@ -174,9 +176,8 @@ def measure(args: argparse.Namespace) -> dict | None:
             except Exception as error:
                 del timed[name]
                 _failed(rows[name], error)
-    for name, run in timed.items():
-        rows[name].update(run.results())
-    timed.clear()
+    for name in list(timed):  # popped, so no model outlives its measurement into the profile passes
+        rows[name].update(timed.pop(name).results())
     for index, contender in enumerate(selected, 1):
         row = rows[contender.name]
         if row["status"] == "ok":
