@@ -41,7 +41,7 @@ def build(contender: Contender, args: argparse.Namespace) -> tuple[nn.Module, to
     """The model built from ``--seed`` and wrapped by ``contender``, with its optimizer."""
     torch.manual_seed(args.seed)
     model = contender.wrap(build_model(args.model, n_layers=args.layers).to(device_type()), args)
-    return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)  # as train (torchtitan's default)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
@@ -203,7 +203,7 @@ def measure(args: argparse.Namespace) -> dict | None:
         "param_dtype": str(args.param_dtype).removeprefix("torch.") if args.param_dtype else None,
         "reduce_dtype": str(args.reduce_dtype).removeprefix("torch.") if args.reduce_dtype else None,
         "compile_backend": args.backend,
-        "optimizer": f"AdamW(lr={args.lr})",
+        "optimizer": f"AdamW(lr={args.lr}, fused=True)",
         "seed": args.seed,
         "methods": METHODS,
         "rows": list(rows.values()),
