@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import operator
 
 import sys
 
@@ -405,3 +406,26 @@ def test_device_cuda_traces_the_kernels_a_gpu_dispatches(tmp_path):
     assert [stage.name for stage in cuda.stages] == [stage.name for stage in reports["meta"].stages]
     for stage, meta in zip(cuda.stage_records(), reports["meta"].stage_records()):
         assert stage["collectives"] == meta["collectives"] and stage["wire_bytes"] == meta["wire_bytes"]
+
+
+def test_attention_wrapped_to_replay_its_random_numbers_is_priced_as_attention():
+    """On CUDA, AOTAutograd wraps cuDNN attention in ``graphsafe_run_with_rng_state``; the schedule reads the op."""
+    aten = torch.ops.aten
+    cudnn = aten._scaled_dot_product_cudnn_attention.default
+    q = torch.empty(1, 4, 128, 64, dtype=torch.bfloat16, device="meta")
+    out = cudnn(q, q, q, None, True, 0.0, True)
+    graph = torch.fx.Graph()
+    query, rng_state = graph.placeholder("query"), graph.placeholder("rng_state")
+    query.meta["val"], rng_state.meta["val"] = q, torch.empty(2, dtype=torch.int64, device="meta")
+    arguments = (query, query, query, None, True, 0.0, True)
+    nodes = [graph.call_function(cudnn, arguments),
+             graph.call_function(torch.ops.higher_order.graphsafe_run_with_rng_state, (cudnn, *arguments),
+                                 {"rng_state": rng_state})]
+    for node in nodes:
+        node.meta["val"] = out
+    graph.output(tuple(graph.call_function(operator.getitem, (node, 0)) for node in nodes))
+    schedule = read_schedule(torch.fx.GraphModule({}, graph), "forward")
+    plain, wrapped = (schedule.node(node.name) for node in nodes)
+    # causal attention: 2 matmuls of 2 * 128 * 128 * 64 FLOPs per head, 4 heads, half of them skipped
+    assert wrapped.op == plain.op == "aten._scaled_dot_product_cudnn_attention.default"
+    assert wrapped.flops == plain.flops == 2 * 2 * 128 * 128 * 64 * 4 // 2
