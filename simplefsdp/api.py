@@ -18,7 +18,7 @@ from simplefsdp.runtime.mesh import MODES, check_mesh, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
 from simplefsdp.runtime.sharding import (broadcast_buffers, check_not_sharded, check_same_model_on_all_ranks,
-                                         shard_parameters)
+                                         holds_values, shard_parameters)
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -78,11 +78,11 @@ def compile_sharded(
         compile_options = inductor_options(overlap, compile_options)
 
     mp_policy = mp_policy or MixedPrecision()
-    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-    if not on_meta:  # a meta model gets its shards from materialize_sharded
+    values = holds_values(model)
+    if values:  # a meta model gets its shards from materialize_sharded; a fake one (inspect's) is only traced
         model.to(mesh.device_type)
     check_same_model_on_all_ranks(model, mesh)
-    if not on_meta:
+    if values:
         broadcast_buffers(model, mesh)
     replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,
                                      reshard_after_forward=reshard_after_forward and mode != "replicate")

@@ -127,9 +127,18 @@ class _Call(NamedTuple):  # the op a node runs, its arguments as nodes of the no
     kwargs: dict
 
 
+# AOTAutograd's wrappers of a random op it replays (on CUDA: attention with dropout): wrapper -> index of the op.
+_RNG_WRAPPERS = {torch.ops.higher_order.graphsafe_run_with_rng_state: 0, torch.ops.higher_order.run_with_rng_state: 1}
+
+
 def _call(fx_node: fx.Node) -> _Call:
     """What ``fx_node`` runs. A node pinned by Inductor's ``control_deps`` (``passes.inductor_internals.pin_order``)
-    runs the one op of its subgraph; that op is returned with the pinned node's arguments."""
+    runs the one op of its subgraph; that op is returned with the pinned node's arguments. A node wrapped to replay
+    its random numbers runs the wrapped op."""
+    if fx_node.target in _RNG_WRAPPERS:
+        index = _RNG_WRAPPERS[fx_node.target]
+        kwargs = {name: value for name, value in fx_node.kwargs.items() if name != "rng_state"}
+        return _Call(fx_node.args[index], fx_node.args[index + 1:], kwargs)
     if fx_node.target is not control_deps:
         return _Call(fx_node.target, fx_node.args, fx_node.kwargs)
     subgraph = getattr(fx_node.graph.owning_module, fx_node.args[1].target).graph

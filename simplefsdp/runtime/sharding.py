@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch._subclasses.fake_tensor import is_fake  # private: the only test for a fake tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from simplefsdp.runtime.grad_sync import new_accumulator
@@ -22,6 +23,12 @@ def check_not_sharded(module: nn.Module) -> None:
         if isinstance(param, DTensor):
             raise ValueError(f"parameter {name!r} is already a DTensor: compile_sharded was applied to this module "
                              "(or a submodule) before; apply it once, to the outermost module")
+
+
+def holds_values(module: nn.Module) -> bool:
+    """False when any parameter or buffer of ``module`` is on the meta device or fake (inspect's): nothing to move or
+    broadcast (moving a fake CUDA tensor would even initialize CUDA)."""
+    return not any(t.is_meta or is_fake(t) for t in [*module.parameters(), *module.buffers()])
 
 
 def _fingerprint(module: nn.Module) -> list[str]:
