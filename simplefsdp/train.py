@@ -140,7 +140,8 @@ def train(args: argparse.Namespace) -> None:
     flops_per_step, peak = (step_flops(args.model, args.layers, args.batch_size, args.seq_len) * args.grad_accum
                             * world, peak_flops_per_second(device, args.param_dtype or torch.float32)
                             ) if rank == 0 else (0, None)
-    say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params in {len(model.layers)} layers) on {world} rank(s), mode {args.mode}, "
+    say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params in {len(model.layers)} layers) on {world} "
+        f"rank(s), mode {args.mode}, "
         f"{args.grad_accum} x {args.batch_size}x{args.seq_len} tokens per rank per step")
 
     start = 0
