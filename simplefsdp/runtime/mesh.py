@@ -61,3 +61,8 @@ def check_mesh(mesh: DeviceMesh, mode: str) -> None:
         shape = "(replicas, shards)" if wanted == 2 else "(world_size,)"
         raise ValueError(f"mode={mode!r} needs a {wanted}-D mesh but got a {mesh.ndim}-D mesh of shape "
                          f"{tuple(mesh.shape)}; build one with init_device_mesh(device, {shape})")
+
+
+def data_parallel_groups(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The names of ``mesh``'s process groups, as collectives in a traced graph name them."""
+    return tuple(mesh.get_group(dim).group_name for dim in range(mesh.ndim))
