@@ -1,9 +1,10 @@
 """The replicate-for-compute getter: how the forward reads a sharded parameter.
 
 Reading ``module.weight`` gathers the DTensor shard into a full local tensor (all-gather for ``Shard``, nothing for
-``Replicate``), cast to the compute dtype; a tensor-parallel parameter is gathered over dp only, into TP's DTensor. Its backward turns the local gradient into a ``Partial("avg")`` DTensor and
-reduces it back to the parameter's placement: reduce-scatter, all-reduce, or both. With gradient sync off
-(``grad_sync.py``) the gradient goes to an accumulator instead.
+``Replicate``), cast to the compute dtype; a tensor-parallel parameter is gathered over dp only, into TP's own
+DTensor. Its backward turns the local gradient into a ``Partial("avg")`` DTensor and reduces it back to the
+parameter's placement: reduce-scatter, all-reduce, or both. With gradient sync off (``grad_sync.py``) the gradient
+goes to an accumulator instead.
 """
 
 from __future__ import annotations
