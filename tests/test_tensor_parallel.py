@@ -21,6 +21,7 @@ from ranks import run_on_ranks
 from scenarios import (FORWARD_BACKWARD_BOUND, LOCAL_BATCH, SCENARIOS, STEPS, assert_matches_reference, build, gamma,
                        make_optimizer)
 from simplefsdp import clip_grad_norm_, compile_sharded, inspect
+from simplefsdp.cli import main
 from simplefsdp.models.llama import build_model
 from simplefsdp.models.llama_tp import parallelize_llama, tensor_parallel_plan
 from simplefsdp.runtime.fake_world import fake_world
@@ -147,6 +148,18 @@ def test_passes_bucket_data_parallel_collectives_and_leave_tensor_parallel_ones(
     tp_nodes = {node.name for schedule in (traced.forward, traced.backward) for node in schedule.nodes
                 if node in tensor_parallel(schedule) or node.waits_for in {c.name for c in tensor_parallel(schedule)}}
     assert moved and not moved & tp_nodes
+
+
+def test_inspect_counts_a_tensor_parallel_groups_tokens_once(report):
+    assert report.tokens == 2 * 16 // TP  # the 2 ranks of a tp group compute on the same 2x16 tokens
+
+
+def test_cli_inspect_tp_prints_the_2d_layout_and_rejects_a_tp_that_does_not_divide(capsys):
+    assert main(["inspect", "--model", "debug", "--seq-len", "16", "--world-size", "4", "--tp", "2"]) == 0
+    title = "debug, fully_shard, world 4, tp 2, hardware h100, 1x16 tokens per tp group"
+    assert capsys.readouterr().out.startswith(title)
+    with pytest.raises(SystemExit, match="simplefsdp inspect: tp=3 must be a positive int dividing the world size 4"):
+        main(["inspect", "--model", "debug", "--world-size", "4", "--tp", "3"])
 
 
 def test_tensor_parallel_plan_covers_every_linear_of_the_blocks():

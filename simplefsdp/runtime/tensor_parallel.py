@@ -42,9 +42,9 @@ def shard_tensor_parallel(param: DTensor, mesh: DeviceMesh) -> DTensor:
     """``param`` (TP's DTensor) with this rank's TP shard also sharded on dim 0 over ``mesh``, from ``mesh``'s first
     rank: a DTensor on the (dp, tp) mesh."""
     shard = distribute_tensor(param.to_local().detach(), mesh, [Shard(0)]).to_local()
-    tp_placement = param.placements[0]
-    tp_shards_dim_0 = isinstance(tp_placement, Shard) and tp_placement.dim == 0
-    dp_placement = _StridedShard(0, split_factor=param.device_mesh.size()) if tp_shards_dim_0 else Shard(0)
+    tp_placement, tp = param.placements[0], param.device_mesh.size()
+    strided = isinstance(tp_placement, Shard) and tp_placement.dim == 0 and tp > 1
+    dp_placement = _StridedShard(0, split_factor=tp) if strided else Shard(0)
     spanned = DeviceMesh._concatenate([mesh, param.device_mesh])
     return DTensor.from_local(shard, spanned, (dp_placement, tp_placement), run_check=False, shape=param.shape,
                               stride=param.stride())
