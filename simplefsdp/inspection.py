@@ -351,8 +351,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         name = f"{args.model} (layers={args.layers})" if args.layers else args.model
         layout, per = (f"tp {args.tp}, ", "tp group") if args.tp > 1 else ("", "rank")
         title = (f"{name}, {args.mode}, world {args.world_size}, {layout}hardware {args.hardware}, "
-                 f"{args.batch_size}x{seq_len} tokens per {per}, params {str(args.param_dtype).removeprefix('torch.')}, "
-                 f"activation checkpointing {args.activation_checkpointing}, traced on {device}")
+                 f"{args.batch_size}x{seq_len} tokens per {per}, params {str(args.param_dtype).removeprefix('torch.')},"
+                 f" activation checkpointing {args.activation_checkpointing}, traced on {device}")
         report = inspect(
             model, (tokens,), world_size=args.world_size, mode=args.mode, hardware=args.hardware,
             mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
