@@ -14,11 +14,12 @@ from simplefsdp.passes.install import OverlapPasses, check_no_custom_post_pass, 
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.compile import check_compile_options, compile_in_place
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
-from simplefsdp.runtime.mesh import MODES, check_mesh, default_mesh
+from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
 from simplefsdp.runtime.sharding import (broadcast_buffers, check_not_sharded, check_same_model_on_all_ranks,
                                          holds_values, shard_parameters)
+from simplefsdp.runtime.tensor_parallel import tensor_parallel_mesh
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -52,6 +53,9 @@ def compile_sharded(
     (``[["tok_embeddings"], ["layers.0"], ...]``); ``reorder`` prefetches all-gathers ``prefetch`` buckets ahead and
     sinks waits. ``blocks`` names the repeated blocks (default: ``find_blocks(model)``). All-reduces (``replicate``,
     ``hybrid_shard``) are bucketed per block (``"auto"``) or by bytes as DDP's (``"block"``).
+
+    FSDP x TP: apply ``parallelize_module(model, mesh_2d["tp"], plan)`` first, then pass ``mesh=mesh_2d["dp"]``;
+    TP's DTensor parameters are sharded over dp as well, and the passes touch only the data-parallel collectives.
     """
     arguments = {name: value for name, value in locals().items() if name not in ("model", "compile_options")}
     if mode not in MODES:
@@ -72,9 +76,10 @@ def compile_sharded(
     check_not_sharded(model)
     mesh = mesh if mesh is not None else default_mesh(mode)
     check_mesh(mesh, mode)
+    tp_mesh = tensor_parallel_mesh(model, mesh, mode)
     if passes:  # "auto" buckets are priced on the hardware this rank computes on
         overlap = OverlapPasses(buckets, reorder, prefetch, memory_budget, local_profile(mesh.device_type),
-                                find_blocks(model) if blocks is None else blocks)
+                                find_blocks(model) if blocks is None else blocks, data_parallel_groups(mesh))
         compile_options = inductor_options(overlap, compile_options)
 
     mp_policy = mp_policy or MixedPrecision()
@@ -85,7 +90,8 @@ def compile_sharded(
     if values:
         broadcast_buffers(model, mesh)
     replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,
-                                     reshard_after_forward=reshard_after_forward and mode != "replicate")
+                                     reshard_after_forward=reshard_after_forward and mode != "replicate",
+                                     tensor_parallel=tp_mesh)
     shard_parameters(model, mesh, mode, replicate)
     if mp_policy.param_dtype is not None:
         cast_floating_inputs(model, mp_policy.param_dtype)

@@ -68,6 +68,8 @@ def _sharding() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--activation-checkpointing", default="none", choices=AC_MODES, help="per transformer block")
     parser.add_argument("--mode", default="fully_shard", choices=MODES)
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel degree: mesh (ranks // tp, tp), fully_shard over dp, Megatron TP (1)")
     parser.add_argument("--no-reshard", dest="reshard_after_forward", action="store_false",
                         help="keep gathered parameters from forward to backward")
     parser.add_argument("--buckets", type=_choice(BUCKETS, "bucket mode"), default="auto", metavar="{auto,block,none}",

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode  # private: fake CUDA tensors, no GPU memory
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from simplefsdp import plots
 from simplefsdp.api import compile_sharded
@@ -30,14 +31,15 @@ from simplefsdp.ir.hardware import HardwareProfile, get_profile
 from simplefsdp.ir.render import chrome_trace, stage_table, text_summary
 from simplefsdp.ir.schedule import Schedule
 from simplefsdp.ir.simulator import Prediction, simulate
-from simplefsdp.models.llama import build_model, get_config
+from simplefsdp.models.llama import Llama, build_model, get_config
+from simplefsdp.models.llama_tp import check_tensor_parallel, tensor_parallel_plan
 from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan, find_blocks
 from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.passes.reorder import ReorderPlan
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.runtime.fake_world import fake_world
-from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES
+from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES, check_tensor_parallel_world, data_parallel_groups
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 from simplefsdp.runtime.sharding import check_not_sharded
 
@@ -65,7 +67,7 @@ _PLAN_HEADINGS = {"bucketed": "bucket plan", "reordered": "reorder plan"}
 @dataclass
 class InspectReport:
     """The step at each stage of the passes, ``traced`` first; ``forward``, ``backward`` and ``prediction`` are the
-    last stage's, the graphs that run. ``tokens``: tokens per step per device, from the example input."""
+    last stage's, the graphs that run. ``tokens``: tokens per step per device, from the example input (over tp)."""
 
     title: str
     stages: list[InspectStage]
@@ -182,6 +184,8 @@ def inspect(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     replica_groups: int = 1,
     device: str | None = None,
+    tp: int = 1,
+    tp_plan: dict[str, ParallelStyle] | None = None,
 ) -> InspectReport:
     """Trace ``model`` as ``compile_sharded`` shards it on ``world_size`` ranks (default 1), run our passes, predict.
 
@@ -195,11 +199,15 @@ def inspect(
     ``activation_checkpointing`` (``none``, ``selective``, ``full``) checkpoints each of ``model.layers`` as ``train``.
     ``loss_fn(output, *example_inputs)``, when given, is traced after the model, so the step includes its loss.
     ``replica_groups`` > 1 prices ``train --fault-tolerant``: that many groups of ``world_size`` ranks, whose gradient
-    shards are averaged across groups after backward.
+    shards are averaged across groups after backward. ``tp`` > 1 prices FSDP x TP on a ``(world_size // tp, tp)``
+    mesh: ``parallelize_module`` with ``tp_plan`` (default: the reference Llama's, ``models/llama_tp.py``) over tp,
+    then ``fully_shard`` over dp.
     """
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size
-    mesh_shape = _mesh_shape(mode, world_size, profile.devices_per_node)
+    mesh_shape = _mesh_shape(mode, world_size, profile.devices_per_node, tp)
+    if tp > 1:
+        tp_plan = tp_plan or _llama_plan(model, tp)
     check_pass_options(model, buckets, reorder, prefetch, memory_budget)
     check_not_sharded(model)
     device = check_device(profile, device)
@@ -214,9 +222,16 @@ def inspect(
     apply_activation_checkpointing(getattr(copy_model, "layers", []), activation_checkpointing)
     if loss_fn is not None:  # the copy's forward, as checkpointing wraps a block's: module names do not change
         copy_model.forward = functools.partial(_forward_and_loss, copy_model.forward, loss_fn)
-    passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile, find_blocks(model))
     with fake_world(world_size):
-        mesh = init_device_mesh("cuda" if device == "cuda" else "cpu", mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
+        mesh_device = "cuda" if device == "cuda" else "cpu"
+        if tp > 1:
+            mesh_2d = init_device_mesh(mesh_device, mesh_shape, mesh_dim_names=("dp", "tp"))
+            parallelize_module(copy_model, mesh_2d["tp"], tp_plan)
+            mesh = mesh_2d["dp"]
+        else:
+            mesh = init_device_mesh(mesh_device, mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
+        passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile, find_blocks(model),
+                               data_parallel_groups(mesh))
         # Sharded by compile_sharded itself, so the graphs traced here are those that run.
         compile_sharded(copy_model, mesh=mesh, mode=mode, mp_policy=mp_policy,
                         reshard_after_forward=reshard_after_forward, compile=False)
@@ -238,7 +253,8 @@ def inspect(
                                      profile)
         fault_tolerant = dict(replica_groups=replica_groups, all_reduce_bytes=grad_bytes, all_reduce_seconds=seconds,
                               step_seconds=stages[-1].prediction.step_time + seconds)
-    return InspectReport(title, stages, profile, _tokens(example_inputs), fault_tolerant)
+    # the ranks of a tensor-parallel group compute on the same tokens
+    return InspectReport(title, stages, profile, _tokens(example_inputs) // tp, fault_tolerant)
 
 
 def _tokens(example_inputs: tuple) -> int:
@@ -247,12 +263,15 @@ def _tokens(example_inputs: tuple) -> int:
     return first.numel() if not first.is_floating_point() or first.dim() == 0 else first.numel() // first.shape[-1]
 
 
-def _mesh_shape(mode: str, world_size: int, devices_per_node: int) -> tuple[int, ...]:
-    """The mesh ``mode`` uses on ``world_size`` ranks: 1-D, or (nodes, ranks per node) for hybrid_shard."""
+def _mesh_shape(mode: str, world_size: int, devices_per_node: int, tp: int = 1) -> tuple[int, ...]:
+    """The mesh ``mode`` uses on ``world_size`` ranks: 1-D, (nodes, ranks per node) for hybrid_shard, (dp, tp)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}; pass e.g. world_size=8")
+    check_tensor_parallel_world(world_size, tp, mode)
+    if tp > 1:
+        return (world_size // tp, tp)
     if mode != "hybrid_shard":
         return (world_size,)
     per_node = min(devices_per_node, world_size)
@@ -281,6 +300,15 @@ def check_device(profile: HardwareProfile, device: str | None = None) -> str:
                          "PyTorch's autograd engine reads the CUDA context even for fake tensors, and this machine "
                          "has none; run where a GPU is visible or pass device='meta'")
     return device
+
+
+def _llama_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
+    """The reference Llama's TP plan for ``model``, checked for ``tp`` ranks; ``ValueError`` for another model."""
+    if not isinstance(model, Llama):
+        raise ValueError(f"tp={tp} needs a tp_plan for {type(model).__name__} (module FQN -> ParallelStyle, as "
+                         "parallelize_module takes); only the reference Llama has a default")
+    check_tensor_parallel(model.config, tp)
+    return tensor_parallel_plan(model.config)
 
 
 def _empty(tensor: torch.Tensor, device: str) -> torch.Tensor:
@@ -321,16 +349,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         device = check_device(get_profile(args.hardware), args.device)
         name = f"{args.model} (layers={args.layers})" if args.layers else args.model
-        title = (f"{name}, {args.mode}, world {args.world_size}, hardware {args.hardware}, "
-                 f"{args.batch_size}x{seq_len} tokens per rank, params {str(args.param_dtype).removeprefix('torch.')}, "
-                 f"activation checkpointing {args.activation_checkpointing}, traced on {device}")
+        layout, per = (f"tp {args.tp}, ", "tp group") if args.tp > 1 else ("", "rank")
+        title = (f"{name}, {args.mode}, world {args.world_size}, {layout}hardware {args.hardware}, "
+                 f"{args.batch_size}x{seq_len} tokens per {per}, params {str(args.param_dtype).removeprefix('torch.')},"
+                 f" activation checkpointing {args.activation_checkpointing}, traced on {device}")
         report = inspect(
             model, (tokens,), world_size=args.world_size, mode=args.mode, hardware=args.hardware,
             mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
             reshard_after_forward=args.reshard_after_forward, buckets=args.buckets, reorder=args.reorder,
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
             activation_checkpointing=args.activation_checkpointing, loss_fn=_next_token_loss,
-            replica_groups=args.replica_groups, device=device)
+            replica_groups=args.replica_groups, device=device, tp=args.tp)
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None
     print(report.summary(), end="")

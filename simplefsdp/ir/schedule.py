@@ -76,7 +76,8 @@ class GraphInput:
 @dataclass
 class Schedule:
     """One graph (``phase`` is ``"forward"`` or ``"backward"``) read into ordered nodes and a ``networkx`` DAG;
-    ``symbols`` maps each symbolic size of the graph's inputs to the hint its sizes were read at."""
+    ``symbols`` maps each symbolic size of the graph's inputs to the hint its sizes were read at;
+    ``data_parallel_groups`` names the process groups our passes may bucket and move collectives of (empty: all)."""
     phase: str
     inputs: list[GraphInput]
     nodes: list[ScheduleNode]
@@ -84,6 +85,7 @@ class Schedule:
     code: str
     dag: nx.DiGraph = field(repr=False)
     symbols: dict[str, int] = field(default_factory=dict)
+    data_parallel_groups: tuple[str, ...] = ()
 
     def node(self, name: str) -> ScheduleNode:
         """The node called ``name``; ``KeyError`` when there is none."""
@@ -92,8 +94,14 @@ class Schedule:
     def collectives(self) -> list[ScheduleNode]:
         return [node for node in self.nodes if node.kind == COLLECTIVE]
 
+    def data_parallel_collectives(self) -> list[ScheduleNode]:
+        """The collectives on ``data_parallel_groups``, program order: not tensor parallelism's."""
+        groups = self.data_parallel_groups
+        return [node for node in self.collectives() if not groups or node.collective.group_name in groups]
 
-def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | None = None) -> Schedule:
+
+def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | None = None,
+                  data_parallel_groups: tuple[str, ...] = ()) -> Schedule:
     """Read ``gm`` into a ``Schedule``; ``param_fqns`` maps placeholder names to the FQNs of the parameters in them."""
     param_fqns = param_fqns or {}
     inputs, nodes, outputs = [], [], []
@@ -111,7 +119,7 @@ def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | N
             nodes.append(node)
             dag.add_node(node.name, node=node)
             dag.add_edges_from((source, node.name) for source in node.inputs if source in dag)
-    return Schedule(phase, inputs, nodes, outputs, gm.code, dag, _symbols(gm))
+    return Schedule(phase, inputs, nodes, outputs, gm.code, dag, _symbols(gm), data_parallel_groups)
 
 
 def _symbols(gm: fx.GraphModule) -> dict[str, int]:
