@@ -52,7 +52,8 @@ def compile_sharded(
     repeated block, plus head and tail), ``None``, or a manual plan of module names
     (``[["tok_embeddings"], ["layers.0"], ...]``); ``reorder`` prefetches all-gathers ``prefetch`` buckets ahead and
     sinks waits. ``blocks`` names the repeated blocks (default: ``find_blocks(model)``). All-reduces (``replicate``,
-    ``hybrid_shard``) are bucketed per block (``"auto"``) or by bytes as DDP's (``"block"``).
+    ``hybrid_shard``) are merged from per-block units up to DDP's 25 MiB (``"auto"``) or bucketed by bytes as DDP's
+    (``"block"``).
 
     FSDP x TP: apply ``parallelize_module(model, mesh_2d["tp"], plan)`` first, then pass ``mesh=mesh_2d["dp"]``;
     TP's DTensor parameters are sharded over dp as well, and the passes touch only the data-parallel collectives.

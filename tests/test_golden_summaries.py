@@ -184,34 +184,28 @@ def test_replicate_summary():
 debug, replicate, world 8, h100
 stage       collectives  predicted step  exposed comm.  peak memory
 traced               21        1.322 ms       506.5 us     1.61 MiB
-bucketed              4        920.1 us        98.5 us     1.61 MiB
-reordered             4        845.9 us        24.3 us     1.61 MiB
+bucketed              2        868.1 us        50.5 us     1.61 MiB
+reordered             2        841.9 us        24.3 us     1.61 MiB
 
 bucket plan
 forward: 0 bucket(s), 2 block(s) layers.0 .. layers.1
-backward: 4 bucket(s), 2 block(s) layers.0 .. layers.1
-  all_reduce tail: 2 collective(s) [output, norm]
-  all_reduce layers.1: 9 collective(s) [layers.1.feed_forward.w2, layers.1.feed_forward.w3, layers.1.feed_forward.w1, layers.1.ffn_norm, layers.1.attention.wo, layers.1.attention.wv, layers.1.attention.wk, layers.1.attention.wq, layers.1.attention_norm]
-  all_reduce layers.0: 9 collective(s) [layers.0.feed_forward.w2, layers.0.feed_forward.w3, layers.0.feed_forward.w1, layers.0.ffn_norm, layers.0.attention.wo, layers.0.attention.wv, layers.0.attention.wk, layers.0.attention.wq, layers.0.attention_norm]
+backward: 2 bucket(s), 2 block(s) layers.0 .. layers.1
+  all_reduce tail+layers.1+layers.0: 20 collective(s) [output, norm, layers.1.feed_forward.w2, layers.1.feed_forward.w3, layers.1.feed_forward.w1, layers.1.ffn_norm, layers.1.attention.wo, layers.1.attention.wv, layers.1.attention.wk, layers.1.attention.wq, layers.1.attention_norm, layers.0.feed_forward.w2, layers.0.feed_forward.w3, layers.0.feed_forward.w1, layers.0.ffn_norm, layers.0.attention.wo, layers.0.attention.wv, layers.0.attention.wk, layers.0.attention.wq, layers.0.attention_norm]
   all_reduce head: 1 collective(s) [tok_embeddings]
 
 reorder plan
 forward: 0 prefetch(es), 0 sunk wait(s)
-backward: 0 prefetch(es), 3 sunk wait(s)
-  sink wait_tensor_21 to before all_reduce_22
-  sink wait_tensor_22 to before all_reduce_23
-  sink wait_tensor_23 to before all_reduce_20
+backward: 0 prefetch(es), 1 sunk wait(s)
+  sink wait_tensor_21 to before all_reduce_20
 
 reordered graphs (what runs)
-predicted step 845.9 us: compute 821.6 us, communication 98.5 us, exposed 24.3 us, overlap 75.3%, lower bound 821.6 us
-peak memory per rank 1.61 MiB at backward:mul_38: sharded_params 513.25 KiB, unsharded_params 0 B, gradients 64.25 KiB, comm_buffers 0 B, activations 1.05 MiB
+predicted step 841.9 us: compute 817.6 us, communication 50.5 us, exposed 24.3 us, overlap 51.8%, lower bound 817.6 us
+peak memory per rank 1.61 MiB at backward:mul_38: sharded_params 513.25 KiB, unsharded_params 0 B, gradients 0 B, comm_buffers 0 B, activations 1.11 MiB
 FLOPs per rank per step 1.028e+08
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
-  0  backward  all_reduce      b0      output                                8  float32     64.25 KiB     24.3 us  yes
-  1  backward  all_reduce      b1      layers.1.feed_forward.w2              8  float32    192.50 KiB     24.9 us  yes
-  2  backward  all_reduce      b2      layers.0.feed_forward.w2              8  float32    192.50 KiB     24.9 us  yes
-  3  backward  all_reduce      b3      tok_embeddings                        8  float32     64.00 KiB     24.3 us  no, stalls 24.3 us
+  0  backward  all_reduce      b0      output                                8  float32    449.25 KiB     26.2 us  yes
+  1  backward  all_reduce      b1      tok_embeddings                        8  float32     64.00 KiB     24.3 us  no, stalls 24.3 us
 """)
 
 
@@ -220,8 +214,8 @@ def test_hybrid_shard_summary():
 debug, hybrid_shard, world 8, h100-4-per-node
 stage       collectives  predicted step  exposed comm.  peak memory
 traced               83        2.038 ms       1.189 ms   999.42 KiB
-bucketed             17        1.052 ms       245.9 us     1.22 MiB
-reordered            17        918.6 us       112.7 us     1.31 MiB
+bucketed             15        1.012 ms       209.9 us     1.22 MiB
+reordered            15        914.6 us       112.7 us     1.31 MiB
 
 bucket plan
 forward: 5 bucket(s), 2 block(s) layers.0 .. layers.1
@@ -230,17 +224,15 @@ forward: 5 bucket(s), 2 block(s) layers.0 .. layers.1
   all_gather layers.0.attention+layers.0.ffn_norm+layers.0.feed_forward+layers.1.attention_norm: 9 collective(s) [layers.0.attention.wq, layers.0.attention.wk, layers.0.attention.wv, layers.0.attention.wo, layers.0.ffn_norm, layers.0.feed_forward.w1, layers.0.feed_forward.w3, layers.0.feed_forward.w2, layers.1.attention_norm]
   all_gather layers.1.attention+layers.1.ffn_norm+layers.1.feed_forward+norm: 9 collective(s) [layers.1.attention.wq, layers.1.attention.wk, layers.1.attention.wv, layers.1.attention.wo, layers.1.ffn_norm, layers.1.feed_forward.w1, layers.1.feed_forward.w3, layers.1.feed_forward.w2, norm]
   all_gather output: 1 collective(s) [output]
-backward: 12 bucket(s), 2 block(s) layers.0 .. layers.1
+backward: 10 bucket(s), 2 block(s) layers.0 .. layers.1
   all_gather output: 1 collective(s) [output]
   reduce_scatter tail: 2 collective(s) [output, norm]
-  all_reduce tail: 2 collective(s) [output, norm]
+  all_reduce tail+layers.1+layers.0: 20 collective(s) [output, norm, layers.1.feed_forward.w2, layers.1.feed_forward.w3, layers.1.feed_forward.w1, layers.1.ffn_norm, layers.1.attention.wo, layers.1.attention.wv, layers.1.attention.wk, layers.1.attention.wq, layers.1.attention_norm, layers.0.feed_forward.w2, layers.0.feed_forward.w3, layers.0.feed_forward.w1, layers.0.ffn_norm, layers.0.attention.wo, layers.0.attention.wv, layers.0.attention.wk, layers.0.attention.wq, layers.0.attention_norm]
   all_gather norm: 1 collective(s) [norm]
   all_gather layers.1.feed_forward+layers.1.ffn_norm+layers.1.attention+layers.1.attention_norm: 9 collective(s) [layers.1.feed_forward.w2, layers.1.feed_forward.w3, layers.1.feed_forward.w1, layers.1.ffn_norm, layers.1.attention.wo, layers.1.attention.wv, layers.1.attention.wk, layers.1.attention.wq, layers.1.attention_norm]
   reduce_scatter layers.1: 9 collective(s) [layers.1.feed_forward.w2, layers.1.feed_forward.w3, layers.1.feed_forward.w1, layers.1.ffn_norm, layers.1.attention.wo, layers.1.attention.wv, layers.1.attention.wk, layers.1.attention.wq, layers.1.attention_norm]
-  all_reduce layers.1: 9 collective(s) [layers.1.feed_forward.w2, layers.1.feed_forward.w3, layers.1.feed_forward.w1, layers.1.ffn_norm, layers.1.attention.wo, layers.1.attention.wv, layers.1.attention.wk, layers.1.attention.wq, layers.1.attention_norm]
   all_gather layers.0.feed_forward+layers.0.ffn_norm+layers.0.attention+layers.0.attention_norm: 9 collective(s) [layers.0.feed_forward.w2, layers.0.feed_forward.w3, layers.0.feed_forward.w1, layers.0.ffn_norm, layers.0.attention.wo, layers.0.attention.wv, layers.0.attention.wk, layers.0.attention.wq, layers.0.attention_norm]
   reduce_scatter layers.0: 9 collective(s) [layers.0.feed_forward.w2, layers.0.feed_forward.w3, layers.0.feed_forward.w1, layers.0.ffn_norm, layers.0.attention.wo, layers.0.attention.wv, layers.0.attention.wk, layers.0.attention.wq, layers.0.attention_norm]
-  all_reduce layers.0: 9 collective(s) [layers.0.feed_forward.w2, layers.0.feed_forward.w3, layers.0.feed_forward.w1, layers.0.ffn_norm, layers.0.attention.wo, layers.0.attention.wv, layers.0.attention.wk, layers.0.attention.wq, layers.0.attention_norm]
   reduce_scatter head: 1 collective(s) [tok_embeddings]
   all_reduce head: 1 collective(s) [tok_embeddings]
 
@@ -251,17 +243,15 @@ forward: 4 prefetch(es), 1 sunk wait(s)
   issue all_gather_into_tensor_out_1 after wait_tensor_21 (before mm)
   issue all_gather_into_tensor_20 after wait_tensor_22 (before mm_7)
   sink wait_tensor_20 to before mm_14
-backward: 4 prefetch(es), 3 sunk wait(s)
+backward: 4 prefetch(es), 1 sunk wait(s)
   issue all_gather_into_tensor_20 after the graph inputs (before mm_15)
   issue all_gather_into_tensor_19 after wait_tensor_20 (before mm_16)
   issue all_gather_into_tensor_out after wait_tensor_19 (before mul_29)
   issue all_gather_into_tensor_out_1 after wait_tensor_64 (before mm_18)
-  sink wait_tensor_63 to before all_reduce_22
-  sink wait_tensor_66 to before all_reduce_23
-  sink wait_tensor_69 to before all_reduce_20
+  sink wait_tensor_63 to before all_reduce_20
 
 reordered graphs (what runs)
-predicted step 918.6 us: compute 805.9 us, communication 245.9 us, exposed 112.7 us, overlap 54.2%, lower bound 805.9 us
+predicted step 914.6 us: compute 801.9 us, communication 209.9 us, exposed 112.7 us, overlap 46.3%, lower bound 801.9 us
 peak memory per rank 1.31 MiB at backward:all_gather_into_tensor_out_1: sharded_params 128.31 KiB, unsharded_params 192.50 KiB, gradients 16.06 KiB, comm_buffers 0 B, activations 1007.80 KiB
 FLOPs per rank per step 1.028e+08
 
@@ -275,12 +265,10 @@ FLOPs per rank per step 1.028e+08
   6  backward  all_gather      b1      norm                                  4  bfloat16        128 B     13.0 us  no, stalls 0.8 us
   7  backward  all_gather      b2      layers.1.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
   8  backward  reduce_scatter  b3      output                                4  float32     64.25 KiB     13.1 us  no, stalls 18.3 us
-  9  backward  all_reduce      b4      output                                2  float32     16.06 KiB     18.3 us  yes
- 10  backward  all_gather      b5      layers.0.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
- 11  backward  reduce_scatter  b6      layers.1.feed_forward.w2              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
- 12  backward  all_reduce      b7      layers.1.feed_forward.w2              2  float32     48.12 KiB     19.0 us  yes
- 13  backward  reduce_scatter  b8      layers.0.feed_forward.w2              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
- 14  backward  all_reduce      b9      layers.0.feed_forward.w2              2  float32     48.12 KiB     19.0 us  yes
- 15  backward  reduce_scatter  b10     tok_embeddings                        4  float32     64.00 KiB     13.1 us  no, stalls 13.1 us
- 16  backward  all_reduce      b11     tok_embeddings                        2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
+  9  backward  all_gather      b4      layers.0.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
+ 10  backward  reduce_scatter  b5      layers.1.feed_forward.w2              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
+ 11  backward  reduce_scatter  b6      layers.0.feed_forward.w2              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
+ 12  backward  all_reduce      b7      output                                2  float32    112.31 KiB     20.4 us  yes
+ 13  backward  reduce_scatter  b8      tok_embeddings                        4  float32     64.00 KiB     13.1 us  no, stalls 13.1 us
+ 14  backward  all_reduce      b9      tok_embeddings                        2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
 """)

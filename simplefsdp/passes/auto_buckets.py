@@ -9,10 +9,11 @@
    all-gather the previous bucket's (it is prefetched behind it), for a reduce-scatter or all-reduce the next unit's
    (it runs behind the next block's backward); and (b) the bytes in flight, ``prefetch + 1`` buckets of the merged
    size, stay within ``memory_budget`` (default: what per-block bucketing holds, the most bytes of any
-   ``prefetch + 1`` blocks in a row). Each merge saves one collective's latency. Small all-gather units let a bucket
-   end where the compute that can hide the next one ends: the first block's attention is gathered behind the embedding
-   lookup, its feed-forward behind that attention, so only the embedding's own all-gather is exposed at the start of
-   the step.
+   ``prefetch + 1`` blocks in a row; for all-reduces at least ``prefetch + 1`` of DDP's 25 MiB buckets, as their
+   gradients stay allocated until the optimizer step anyway). Each merge saves one collective's latency. Small
+   all-gather units let a bucket end where the compute that can hide the next one ends: the first block's attention
+   is gathered behind the embedding lookup, its feed-forward behind that attention, so only the embedding's own
+   all-gather is exposed at the start of the step.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 from simplefsdp.ir.cost_model import collective_seconds, node_time
 from simplefsdp.ir.hardware import HardwareProfile
 from simplefsdp.ir.schedule import COMPUTE, Schedule, ScheduleNode
-from simplefsdp.passes.bucket_plan import (BUCKETED_KINDS, Bucket, BucketPlan, block_names, block_of, bucketable,
-                                           group_collectives)
+from simplefsdp.passes.bucket_plan import (ALL_REDUCE_BUCKET_BYTES, BUCKETED_KINDS, Bucket, BucketPlan, block_names,
+                                           block_of, bucketable, group_collectives)
 
 
 @dataclass
@@ -53,6 +54,8 @@ def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budg
         ranks = schedule.node(units[0].bucket.collectives[0]).collective.group_ranks
         budget = memory_budget if memory_budget is not None else max(  # the most bytes of prefetch + 1 in a row
             sum(u.bytes for u in units[start:start + prefetch + 1]) for start in range(len(units)))
+        if kind == "all_reduce" and memory_budget is None:
+            budget = max(budget, (prefetch + 1) * ALL_REDUCE_BUCKET_BYTES[0])
         if kind == "all_gather":
             units = modules[kind, group_name, dtype]
         merged += _merge(units, kind, ranks, hardware, budget, prefetch)
