@@ -16,6 +16,7 @@ from simplefsdp.runtime.compile import check_compile_options, compile_in_place
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
+from simplefsdp.runtime.quantize import Quantize
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
 from simplefsdp.runtime.sharding import (broadcast_buffers, check_not_sharded, check_same_model_on_all_ranks,
                                          shard_parameters)
@@ -36,6 +37,7 @@ def compile_sharded(
     reorder: bool = True,
     prefetch: int = 1,
     memory_budget: int | None = None,
+    quantize: Quantize | None = None,
     **compile_options: Any,
 ) -> ModuleT | Callable[[ModuleT], ModuleT]:
     """Shard ``model``'s parameters over the data-parallel mesh and compile its forward, in place.
@@ -49,19 +51,22 @@ def compile_sharded(
     (cost model, within ``memory_budget`` bytes of gathered parameters in flight), ``"block"`` (one bucket per
     repeated block, plus head and tail), ``None``, or a manual plan of module names
     (``[["tok_embeddings"], ["layers.0"], ...]``); ``reorder`` prefetches all-gathers ``prefetch`` buckets ahead and
-    sinks waits.
+    sinks waits. ``quantize`` (``Quantize``) sends weights and gradients in low-bit formats (``fully_shard``).
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
         raise TypeError(f"mp_policy must be simplefsdp.MixedPrecision or None, got {type(mp_policy).__name__}")
+    if quantize is not None and not (isinstance(quantize, Quantize) and mode == "fully_shard"):
+        raise ValueError(f"quantize must be simplefsdp.Quantize(...) or None, with mode='fully_shard' (got "
+                         f"{type(quantize).__name__} with mode={mode!r}); other modes communicate in full precision")
     check_compile_options(compile_options)
     check_pass_options(model if isinstance(model, nn.Module) else None, buckets, reorder, prefetch, memory_budget)
     if model is None:
         return functools.partial(
             compile_sharded, mesh=mesh, mode=mode, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
             compile=compile, backend=backend, buckets=buckets, reorder=reorder, prefetch=prefetch,
-            memory_budget=memory_budget, **compile_options,
+            memory_budget=memory_budget, quantize=quantize, **compile_options,
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile_sharded expects a torch.nn.Module, got {type(model).__name__}; "
@@ -84,7 +89,7 @@ def compile_sharded(
     if not on_meta:
         broadcast_buffers(model, mesh)
     replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,
-                                     reshard_after_forward=reshard_after_forward and mode != "replicate")
+                                     reshard_after_forward=reshard_after_forward and mode != "replicate", quantize=quantize)
     shard_parameters(model, mesh, mode, replicate)
     if mp_policy.param_dtype is not None:
         cast_floating_inputs(model, mp_policy.param_dtype)

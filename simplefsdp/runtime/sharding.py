@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from simplefsdp.runtime.grad_sync import new_accumulator
+from simplefsdp.runtime.quantized_gather import new_error_buffer
 from simplefsdp.runtime.replicate_compute import ReplicateComputation, install_getters
 
 
@@ -64,16 +65,17 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
     Values come from the mesh's first rank. A tied parameter becomes one DTensor shared by the same modules.
     """
     placements = param_placements(mode)
-    sharded: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+    sharded: dict[int, tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]] = {}
     for submodule in module.modules():
-        accumulators = {}
+        accumulators, errors = {}, {}
         for name, param in submodule._parameters.items():
             if param is None:
                 continue
             if id(param) not in sharded:
                 dtensor = distribute_tensor(param.detach(), mesh, placements)
                 new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
-                sharded[id(param)] = (new_param, new_accumulator(param, mesh.device_type))
-            submodule._parameters[name], accumulators[name] = sharded[id(param)]
+                error = new_error_buffer(param, mesh.size(), replicate.quantize, mesh.device_type)
+                sharded[id(param)] = (new_param, new_accumulator(param, mesh.device_type), error)
+            submodule._parameters[name], accumulators[name], errors[name] = sharded[id(param)]
         if accumulators:
-            install_getters(submodule, accumulators, replicate)
+            install_getters(submodule, accumulators, errors, replicate)

@@ -1,0 +1,155 @@
+"""Low-bit communication: the wire format's round trip, the quantized step on 2 gloo ranks against a hand-computed
+exchange, error feedback, no-sync and checkpoints, and the quantized graphs on the fake process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from collectives import CountCollectives
+from ranks import run_on_ranks
+from scenarios import U
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from simplefsdp import Quantize, compile_sharded, load_checkpoint, save_checkpoint
+from simplefsdp.ir.capture import capture_graphs
+from simplefsdp.ir.schedule import read_schedule
+from simplefsdp.passes.bucket_plan import plan_buckets
+from simplefsdp.runtime.fake_world import fake_world
+from simplefsdp.runtime.quantize import QMAX, packed_bytes, quantize_pack, unpack_dequantize
+from simplefsdp.runtime.quantized_gather import error_feedback_state, padded_rows
+from simplefsdp.runtime.replicate_compute import ReplicateComputation
+from simplefsdp.runtime.sharding import shard_parameters
+
+BLOCK = 64
+QUANTIZE = Quantize(gather="int8", reduce="int4", block_size=BLOCK, beta=0.5)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_round_trip_error_is_within_half_a_step_and_packing_is_deterministic(fmt):
+    rows = torch.randn(3, 4 * BLOCK, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 3)[:, None]
+    rows[1, :BLOCK] = 0  # an all-zero block has scale 0 and comes back exactly
+    packed = quantize_pack(rows, fmt, BLOCK)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, packed_bytes(4 * BLOCK, fmt, BLOCK))
+    error = (unpack_dequantize(packed, fmt, BLOCK) - rows).abs().reshape(3, -1, BLOCK)
+    step = rows.abs().reshape(3, -1, BLOCK).amax(-1, keepdim=True) / QMAX[fmt]
+    # Rounding to the nearest code is off by half a step; the fp32 division before it and the multiplication
+    # after it each add at most u relative to a value of at most qmax steps.
+    assert (error <= step * (0.5 + 2 * QMAX[fmt] * U)).all()
+    assert error[1, 0].max() == 0
+    # The backward's re-gather quantizes the same shard in another compiled graph: the bits must not change.
+    assert torch.equal(torch.compile(quantize_pack)(rows, fmt, BLOCK), packed)
+
+
+def test_bad_options_are_refused_before_anything_compiles():
+    for options, message in [({"gather": "int4"}, "gather='int4'"), ({"reduce": "fp8"}, "reduce='fp8'"),
+                             ({"block_size": 0}, "block_size=0"), ({"beta": 1.0}, "beta=1.0")]:
+        with pytest.raises(ValueError, match=message):
+            Quantize(**options)
+    with pytest.raises(ValueError, match="mode='fully_shard'"):
+        compile_sharded(nn.Linear(2, 2), mode="replicate", quantize=QUANTIZE)
+
+
+def _hand_reduced(local_grad, error, world, rank):
+    """The reference exchange: every rank's rows of ``g + e`` quantized, this rank's row summed in fp32, averaged;
+    and this rank's new error buffer."""
+    values, padded = padded_rows(local_grad.shape, world, BLOCK)
+    rows = torch.zeros(world * values)
+    rows[:local_grad.numel()] = local_grad.flatten()
+    sent = torch.nn.functional.pad(rows.reshape(world, values), (0, padded - values)) + error
+    decoded = unpack_dequantize(quantize_pack(sent, QUANTIZE.reduce, BLOCK), QUANTIZE.reduce, BLOCK)
+    everyone = [torch.empty_like(decoded) for _ in range(world)]
+    dist.all_gather(everyone, decoded)
+    mine = sum(decoded_by[rank] for decoded_by in everyone)[:values] / world
+    new_error = QUANTIZE.beta * error + (1 - QUANTIZE.beta) * (sent - decoded)
+    return mine, new_error
+
+
+def _quantized_steps(root):
+    """Integer data and a linear loss: each rank's local gradient is exact in any order, so the quantized
+    exchange can be compared bitwise with ``_hand_reduced``."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    def build():
+        torch.manual_seed(0)
+        return compile_sharded(nn.Linear(16, 33), quantize=QUANTIZE)
+
+    def batch(step):
+        generator = torch.Generator().manual_seed(10 * step + rank)
+        return torch.randint(-3, 4, (4, 16), generator=generator).float(), torch.randint(-3, 4, (4, 33)).float()
+
+    model, plain = build(), nn.Linear(16, 33)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    results = {"exact": True}
+    for step in (1, 2):
+        x, weight = batch(step)
+        errors = {name: error.to_local().clone() for name, error in error_feedback_state(model).items()}
+        (model(x) * weight).sum().backward()
+        (plain(x) * weight).sum().backward()  # the weight gradient of a linear loss does not depend on the weights
+        for name, param in model.named_parameters():
+            expected, expected_error = _hand_reduced(dict(plain.named_parameters())[name].grad, errors[name], world,
+                                                     rank)
+            results["exact"] &= torch.equal(param.grad.to_local().flatten(), expected[:param.to_local().numel()])
+            results["exact"] &= torch.equal(error_feedback_state(model)[name].to_local(), expected_error)
+        plain.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
+    results["error_carried"] = all(e.to_local().abs().sum() > 0 for e in error_feedback_state(model).values())
+
+    saved = save_checkpoint(root, 2, model, optimizer)
+    resumed = build()
+    resumed_optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    load_checkpoint(saved, resumed, resumed_optimizer)
+    x, weight = batch(3)
+    for trained in (model, resumed):
+        (trained(x) * weight).sum().backward()
+    results["resume_exact"] = all(
+        torch.equal(a.grad.to_local(), b.grad.to_local()) and torch.equal(a.to_local(), b.to_local())
+        for a, b in zip(model.parameters(), resumed.parameters())) and all(
+        torch.equal(a.to_local(), error_feedback_state(resumed)[name].to_local())
+        for name, a in error_feedback_state(model).items())
+
+    before = {name: error.to_local().clone() for name, error in error_feedback_state(model).items()}
+    with model.no_sync():
+        loss = (model(x) * weight).sum()
+        with CountCollectives(any_dtype=True) as counter:
+            loss.backward()
+    results["no_sync_backward_collectives"] = dict(counter.counts)
+    results["no_sync_errors_unchanged"] = all(torch.equal(error_feedback_state(model)[n].to_local(), e)
+                                              for n, e in before.items())
+    return results
+
+
+def test_quantized_step_matches_the_hand_computed_exchange(tmp_path):
+    for result in run_on_ranks(2, _quantized_steps, str(tmp_path)):
+        assert result["exact"]  # gradients and error buffers, bitwise, over two steps
+        assert result["error_carried"]
+        # the forward keeps its gathered weights with sync off, so the backward communicates nothing
+        assert result["no_sync_backward_collectives"] == {}
+        assert result["no_sync_errors_unchanged"]
+        assert result["resume_exact"]
+
+
+def _bucket_plans(quantize):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 8), nn.ReLU(), nn.Linear(8, 8))
+    shard_parameters(model, init_device_mesh("cpu", (8,)), "fully_shard", ReplicateComputation(None, None, True,
+                                                                                                quantize))
+    torch._dynamo.reset()
+    graphs = capture_graphs(model, (torch.randn(4, 16),))
+    schedules = [read_schedule(graphs.forward, "forward"), read_schedule(graphs.backward, "backward")]
+    return [(plan_buckets(schedule, "block"), schedule) for schedule in schedules]
+
+
+def test_quantized_gathers_bucket_like_full_precision_ones_with_uint8_payloads():
+    with fake_world(8):
+        full, quantized = _bucket_plans(None), _bucket_plans(QUANTIZE)
+    for (full_plan, _), (plan, schedule) in zip(full, quantized):
+        gathers = [b for b in plan.buckets if b.kind == "all_gather"]
+        assert [len(b.collectives) for b in gathers] == [
+            len(b.collectives) for b in full_plan.buckets if b.kind == "all_gather"]
+        assert {node.collective.dtype for node in schedule.collectives()
+                if node.collective.kind in ("all_gather", "all_to_all")} == {torch.uint8}
+    _, (_, backward) = quantized
+    assert sum(node.collective.kind == "all_to_all" for node in backward.collectives()) == 6
