@@ -32,6 +32,7 @@ from simplefsdp.passes.reorder import ReorderPlan
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES
 from simplefsdp.runtime.mixed_precision import MixedPrecision
+from simplefsdp.runtime.quantize import Quantize, quantize_option
 from simplefsdp.runtime.sharding import check_not_sharded
 
 
@@ -166,12 +167,14 @@ def inspect(
     memory_budget: int | None = None,
     title: str | None = None,
     dynamic: bool = False,
+    quantize: Quantize | None = None,
 ) -> InspectReport:
     """Trace ``model`` as ``compile_sharded`` shards it on ``world_size`` ranks (default 1), run our passes, predict.
 
     Meta-device copies on a fake process group; ``model`` is not changed. ``hardware``: a profile name (``h100``,
     ``a100``, ``cpu``), a JSON path or a ``HardwareProfile``; it also prices ``buckets="auto"``. The pass options
-    are ``compile_sharded``'s. ``dynamic`` traces sizes as symbols, priced at ``example_inputs``' sizes.
+    and ``quantize`` are ``compile_sharded``'s. ``dynamic`` traces sizes as symbols, priced at ``example_inputs``'
+    sizes.
     """
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size
@@ -187,7 +190,7 @@ def inspect(
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
         # Sharded by compile_sharded itself, so the graphs traced here are those that run.
         compile_sharded(meta_model, mesh=mesh, mode=mode, mp_policy=mp_policy,
-                        reshard_after_forward=reshard_after_forward, compile=False)
+                        reshard_after_forward=reshard_after_forward, compile=False, quantize=quantize)
         graphs = capture_graphs(meta_model, meta_inputs, dynamic=dynamic)
         # The captured graphs are ours: the passes rewrite them in place, and each stage keeps its schedule.
         forward_stages = list(passes.stages(graphs.forward, "forward", graphs.param_fqns))
@@ -251,6 +254,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             reshard_after_forward=args.reshard_after_forward,
             buckets=args.buckets, reorder=args.reorder,
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
+            quantize=quantize_option(args.quantize_gather, args.quantize_reduce),
         )
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None

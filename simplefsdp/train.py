@@ -28,6 +28,7 @@ from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks
 from simplefsdp.runtime.mesh import init_distributed
 from simplefsdp.runtime.meta_init import materialize_sharded
 from simplefsdp.runtime.mixed_precision import MixedPrecision
+from simplefsdp.runtime.quantize import quantize_option
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -84,6 +85,7 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
         model, mode=args.mode, mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
         reshard_after_forward=args.reshard_after_forward, compile=args.compile, backend=args.backend,
         buckets=args.buckets, reorder=args.reorder, prefetch=args.prefetch, memory_budget=args.memory_budget,
+        quantize=quantize_option(args.quantize_gather, args.quantize_reduce),
     )
     if args.init_on_meta:
         torch.manual_seed(args.seed)

@@ -44,6 +44,11 @@ class Quantize:
             raise ValueError(f"Quantize(beta={self.beta!r}) must be in [0, 1); 0 keeps just the last residual")
 
 
+def quantize_option(gather: str | None, reduce: str | None) -> Quantize | None:
+    """``Quantize(gather, reduce)`` with the other options at their defaults, or None when both are None."""
+    return None if gather is None and reduce is None else Quantize(gather, reduce)
+
+
 def packed_bytes(numel: int, fmt: str, block_size: int) -> int:
     """Bytes of one packed row of ``numel`` values (a multiple of ``block_size``)."""
     return 4 * (numel // block_size) + (numel if fmt == "int8" else numel // 2)

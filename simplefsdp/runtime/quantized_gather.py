@@ -28,6 +28,7 @@ def new_error_buffer(param: torch.Tensor, world: int, quantize: Quantize | None,
     """One rank's error feedback: ``(world, padded)`` fp32, a row per destination rank; None when not needed."""
     if quantize is None or quantize.reduce is None or not quantize.error_feedback or not param.is_floating_point():
         return None
+    device = "meta" if param.is_meta else device  # allocated by materialize_error_buffers
     return torch.zeros(world, padded_rows(param.shape, world, quantize.block_size)[1], device=device)
 
 
@@ -84,3 +85,13 @@ def error_feedback_state(model: nn.Module) -> dict[str, DTensor]:
                                                                     [Shard(0)], run_check=False)
             for module_name, module in model.named_modules()
             for name, error in vars(module).get("_error_feedback", {}).items() if error is not None}
+
+
+def materialize_error_buffers(model: nn.Module, device: str) -> None:
+    """Replace error feedback buffers created on ``meta`` by zeros on ``device`` (tied parameters keep sharing)."""
+    zeros: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        errors = vars(module).get("_error_feedback", {})
+        for name, error in errors.items():
+            if error is not None:
+                errors[name] = zeros.setdefault(id(error), torch.zeros_like(error, device=device))
