@@ -174,11 +174,7 @@ def summarize(say, args, start, losses, step_times, mfus, tokens_per_step, world
     """Rank 0's closing line: loss change, compile time, median step time, throughput, MFU and memory."""
     steady = slice(1, None) if len(step_times) > 1 else slice(None)
     median = statistics.median(step_times[steady])
-    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    say(
-        "summary: "
-        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start + 1}-{args.steps}; "
-        f"first step {step_times[0]:.1f} s; median step {median:.3f} s; "
-        f"{tokens_per_step / median:,.0f} tok/s total, {tokens_per_step / world / median:,.0f} tok/s per rank; "
-        f"MFU {statistics.median(mfus[steady]):.2%}; peak RSS rank 0 {peak_rss_mib:,.0f} MiB"
-    )
+    say(f"summary: loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start + 1}-{args.steps}; first step "
+        f"{step_times[0]:.1f} s; median step {median:.3f} s; {tokens_per_step / median:,.0f} tok/s total, "
+        f"{tokens_per_step / world / median:,.0f} tok/s per rank; MFU {statistics.median(mfus[steady]):.2%}; "
+        f"peak RSS rank 0 {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB")

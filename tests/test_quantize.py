@@ -17,8 +17,7 @@ from simplefsdp.ir.capture import capture_graphs
 from simplefsdp.ir.schedule import read_schedule
 from simplefsdp.passes.bucket_plan import plan_buckets
 from simplefsdp.runtime.fake_world import fake_world
-from simplefsdp.runtime.quantize import QMAX, packed_bytes, quantize_pack, unpack_dequantize
-from simplefsdp.runtime.quantized_gather import error_feedback_state, padded_rows
+from simplefsdp.runtime.quantize import QMAX, error_feedback_state, padded_rows, quantize_pack, unpack_dequantize
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
 from simplefsdp.runtime.sharding import shard_parameters
 
@@ -31,7 +30,8 @@ def test_round_trip_error_is_within_half_a_step_and_packing_is_deterministic(fmt
     rows = torch.randn(3, 4 * BLOCK, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 3)[:, None]
     rows[1, :BLOCK] = 0  # an all-zero block has scale 0 and comes back exactly
     packed = quantize_pack(rows, fmt, BLOCK)
-    assert packed.dtype == torch.uint8 and packed.shape == (3, packed_bytes(4 * BLOCK, fmt, BLOCK))
+    codes_per_byte = {"int8": 1, "int4": 2}[fmt]  # and one fp32 scale per block
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 4 * 4 + 4 * BLOCK // codes_per_byte)
     error = (unpack_dequantize(packed, fmt, BLOCK) - rows).abs().reshape(3, -1, BLOCK)
     step = rows.abs().reshape(3, -1, BLOCK).amax(-1, keepdim=True) / QMAX[fmt]
     # Rounding to the nearest code is off by half a step; the fp32 division before it and the multiplication

@@ -22,17 +22,15 @@ from simplefsdp.train import next_token_loss
 
 METHODS = {
     "step_time": "wall time of forward+backward+optimizer step, slowest rank, median and quartiles over the measured "
-                 "steps, which run interleaved across contenders; warm-up: the warm-up steps' total, compilation "
-                 "included (Inductor's on-disk caches make a repeated run's compilation faster)",
-    "peak_memory": "CPU: bytes allocated since the contender's fresh copy started being built and not yet freed, "
-                   "summed from torch.profiler allocation and free events (profile_memory=True), maximum over the "
-                   "profiled step, maximum over ranks; CUDA: torch.cuda.max_memory_allocated over that step",
+                 "steps (interleaved across contenders); warm-up: the warm-up steps' total, compilation included",
+    "peak_memory": "CPU: bytes allocated since the contender's copy started being built and not yet freed "
+                   "(torch.profiler memory events), maximum over the profiled step and ranks; CUDA: "
+                   "max_memory_allocated",
     "collectives": "c10d::* operator events (process-group calls, barriers excluded) in the profiled step",
-    "comm": "summed duration of the backend's own collective events (e.g. gloo:all_gather, on its worker threads) "
-            "in the profiled step, and its share of that step's duration (the profiler slows the step)",
-    "wait": "summed duration of _c10d_functional::wait_tensor events (compiled graphs); n/a where collectives are "
-            "waited on in Work.wait(), which the profiler does not record (eager FSDP2, DDP); in the "
-            "profiled step, with its share of that step's duration",
+    "comm": "summed duration of the backend's own collective events (e.g. gloo:all_gather) in the profiled step, "
+            "and its share of that step (the profiler slows the step)",
+    "wait": "summed duration of _c10d_functional::wait_tensor events (compiled graphs; n/a for eager FSDP2 and DDP, "
+            "whose Work.wait() the profiler does not record) in the profiled step, and its share of it",
 }
 
 
@@ -190,21 +188,14 @@ def measure(args: argparse.Namespace) -> dict | None:
     if rank:
         return None
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "device": device_type(),
-        "cpu_cores": os.cpu_count(),
-        "load_average": os.getloadavg(),
-        "process_group_backend": "nccl" if device_type() == "cuda" else "gloo",
-        "world_size": world,
-        **{option: getattr(args, option) for option in ("model", "steps", "warmup", "batch_size", "seq_len")},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+        "device": device_type(), "cpu_cores": os.cpu_count(), "load_average": os.getloadavg(),
+        "process_group_backend": "nccl" if device_type() == "cuda" else "gloo", "world_size": world,
+        **{option: getattr(args, option) for option in ("model", "steps", "warmup", "batch_size", "seq_len", "seed")},
         "parameters": sum(p.numel() for p in build_model(args.model).parameters()),
-        "param_dtype": str(args.param_dtype).removeprefix("torch.") if args.param_dtype else None,
-        "reduce_dtype": str(args.reduce_dtype).removeprefix("torch.") if args.reduce_dtype else None,
-        "compile_backend": args.backend,
-        "optimizer": f"AdamW(lr={args.lr})",
-        "seed": args.seed,
-        "methods": METHODS,
+        **{name: str(dtype).removeprefix("torch.") if dtype else None
+           for name, dtype in (("param_dtype", args.param_dtype), ("reduce_dtype", args.reduce_dtype))},
+        "compile_backend": args.backend, "optimizer": f"AdamW(lr={args.lr})", "methods": METHODS,
         "rows": list(rows.values()),
     }
 

@@ -44,11 +44,8 @@ def read_profile(prof, backend: str) -> dict:
 
 
 def allocation_delta(live: dict[int, int], ptr: int, size: int) -> int:
-    """Bytes a profiler allocation event adds to what this profile allocated and still holds.
-
-    Frees of blocks allocated before the profile count nothing. (Not the event's ``total_allocated``: it drifts
-    between profiles, as the CPU allocator keeps sizes of blocks an earlier profile allocated.)
-    """
+    """Bytes a profiler allocation event adds to what this profile allocated and still holds (frees of earlier
+    blocks count nothing; the event's ``total_allocated`` drifts between profiles)."""
     if size > 0:
         live[ptr] = size
         return size

@@ -16,10 +16,9 @@ DEFAULT_PLOT = "runs/bench.png"
 
 
 def _tolerance(results: dict) -> tuple[float, float]:
-    """``(rtol, atol)`` for the loss check: ``torch.testing.assert_close``'s defaults for the parameter dtype (fp32:
-    1.3e-6, 1e-5); ``(0, 0)``, bitwise, for ``aot_eager`` in full fp32, where simplefsdp and FSDP2 do the same
-    arithmetic. With a lower ``param_dtype`` they do not: FSDP2 (as torchtitan configures it) also casts each sharded
-    module's floating-point forward inputs, here the fp32 rotary table, while simplefsdp casts only parameters."""
+    """``(rtol, atol)`` for the loss check: ``assert_close``'s defaults for the parameter dtype; bitwise for
+    ``aot_eager`` in full fp32, where simplefsdp and FSDP2 do the same arithmetic (with a lower ``param_dtype`` FSDP2
+    also casts the fp32 rotary table, an input of each sharded block)."""
     dtype = getattr(torch, results["param_dtype"] or "float32")
     full_fp32 = dtype == torch.float32 and results["reduce_dtype"] in (None, "float32")
     if results["compile_backend"] == "aot_eager" and full_fp32:

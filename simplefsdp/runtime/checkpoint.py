@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from simplefsdp.runtime.quantized_gather import error_feedback_state
+from simplefsdp.runtime.quantize import error_feedback_state
 from simplefsdp.runtime.replicate_compute import stored_parameters
 
 _COMPLETE = re.compile(r"^step-(\d+)$")

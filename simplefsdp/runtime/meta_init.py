@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode
 
-from simplefsdp.runtime.quantized_gather import materialize_error_buffers
+from simplefsdp.runtime.quantize import materialize_error_buffers
 from simplefsdp.runtime.replicate_compute import stored_parameters
 
 RANDOM_FILLS = {

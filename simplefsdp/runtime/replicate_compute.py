@@ -21,8 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from simplefsdp.runtime.activation_checkpoint import checkpoint_context
 from simplefsdp.runtime.grad_sync import GradientSync, route_gradient
-from simplefsdp.runtime.quantize import Quantize
-from simplefsdp.runtime.quantized_gather import quantized_replicate
+from simplefsdp.runtime.quantize import Quantize, quantized_replicate
 
 
 def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from simplefsdp.runtime.grad_sync import new_accumulator
-from simplefsdp.runtime.quantized_gather import new_error_buffer
+from simplefsdp.runtime.quantize import new_error_buffer
 from simplefsdp.runtime.replicate_compute import ReplicateComputation, install_getters
 
 
