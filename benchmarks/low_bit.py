@@ -39,7 +39,8 @@ def main() -> None:
     tokens = torch.zeros(1, 8192, dtype=torch.long, device="meta")
     mp_policy = simplefsdp.MixedPrecision(torch.bfloat16, torch.float32)
     print(f"llama3-8b, 1x8192 tokens per rank, bf16 params, fp32 reduce, hardware {args.hardware}, reordered stage\n")
-    print("| world | run | wire GiB/rank/step | × full | collectives | step s | exposed comm s |\n|---|---|---|---|---|---|---|")
+    print("| world | run | wire GiB/rank/step | × full | collectives | step s | exposed comm s |")
+    print("|---|---|---|---|---|---|---|")
     for world in args.world_sizes:
         full = None
         for name, quantize in RUNS.items():

@@ -89,7 +89,7 @@ def compile_sharded(
     if not on_meta:
         broadcast_buffers(model, mesh)
     replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,
-                                     reshard_after_forward=reshard_after_forward and mode != "replicate", quantize=quantize)
+                                     reshard_after_forward and mode != "replicate", quantize)
     shard_parameters(model, mesh, mode, replicate)
     if mp_policy.param_dtype is not None:
         cast_floating_inputs(model, mp_policy.param_dtype)

@@ -54,6 +54,8 @@ def _workload(model: str, batch_size: int, seq_len: int | None, dtypes: tuple) -
     parser.add_argument("--quantize-gather", choices=["int8"], help="send weight all-gathers in this format")
     parser.add_argument("--quantize-reduce", choices=["int8", "int4"],
                         help="exchange gradients in this format, with error feedback")
+    parser.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
+                        help="with --quantize-reduce: no error feedback buffers")
     return parser
 
 

@@ -254,7 +254,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             reshard_after_forward=args.reshard_after_forward,
             buckets=args.buckets, reorder=args.reorder,
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
-            quantize=quantize_option(args.quantize_gather, args.quantize_reduce),
+            quantize=quantize_option(args.quantize_gather, args.quantize_reduce, args.error_feedback),
         )
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None

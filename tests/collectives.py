@@ -23,7 +23,8 @@ class CountCollectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         namespace, _, name = func.name().partition("::")
-        if namespace in ("_c10d_functional", "c10d") and name.startswith(COLLECTIVES) and (self.any_dtype or _carries_floats(args)):
+        counted = self.any_dtype or _carries_floats(args)
+        if namespace in ("_c10d_functional", "c10d") and name.startswith(COLLECTIVES) and counted:
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 

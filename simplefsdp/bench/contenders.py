@@ -34,7 +34,8 @@ class Contender:
 
 def _simplefsdp(model: nn.Module, args: argparse.Namespace, **options) -> nn.Module:
     mp_policy = MixedPrecision(args.param_dtype, args.reduce_dtype)
-    options.setdefault("quantize", quantize_option(args.quantize_gather, args.quantize_reduce))
+    quantize = quantize_option(args.quantize_gather, args.quantize_reduce, args.error_feedback)
+    options.setdefault("quantize", quantize)
     return compile_sharded(model, mp_policy=mp_policy, backend=args.backend, **options)
 
 

@@ -50,9 +50,9 @@ class Quantize:
             raise ValueError(f"Quantize(beta={self.beta!r}) must be in [0, 1); 0 keeps just the last residual")
 
 
-def quantize_option(gather: str | None, reduce: str | None) -> Quantize | None:
-    """``Quantize(gather, reduce)`` with the other options at their defaults, or None when both are None."""
-    return None if gather is None and reduce is None else Quantize(gather, reduce)
+def quantize_option(gather: str | None, reduce: str | None, error_feedback: bool = True) -> Quantize | None:
+    """``Quantize(gather, reduce, error_feedback=...)``, other options at their defaults; None when both are None."""
+    return None if gather is None and reduce is None else Quantize(gather, reduce, error_feedback=error_feedback)
 
 
 def quantize_pack(rows: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
