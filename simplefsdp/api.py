@@ -75,6 +75,10 @@ def compile_sharded(
     if passes:
         check_no_custom_post_pass(compile_options)
     check_not_sharded(model)
+    tied = len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
+    if tied and quantize is not None and quantize.reduce and quantize.error_feedback:
+        raise ValueError("the model has tied parameters, whose error feedback would count twice; pass "
+                         "Quantize(..., error_feedback=False) or untie them")
     mesh = mesh if mesh is not None else default_mesh(mode)
     check_mesh(mesh, mode)
     if passes:  # "auto" buckets are priced on the hardware this rank computes on

@@ -49,6 +49,9 @@ def test_bad_options_are_refused_before_anything_compiles():
             Quantize(**options)
     with pytest.raises(ValueError, match="mode='fully_shard'"):
         compile_sharded(nn.Linear(2, 2), mode="replicate", quantize=QUANTIZE)
+    shared = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="tied parameters"):  # a compiled backward would add their error twice
+        compile_sharded(nn.Sequential(shared, shared), quantize=QUANTIZE)
 
 
 def _hand_reduced(local_grad, error, world, rank):
