@@ -25,7 +25,7 @@ TORCH = "torch==2.13.0"
 
 
 def ensure_environment() -> None:
-    """Create .venv and install torch and the package with its test and plot extras, unless already done."""
+    """Create .venv and install torch and the package with its test, plot and ft extras, unless already done."""
     wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + TORCH.encode()).hexdigest()
     if STAMP.exists() and STAMP.read_text() == wanted:
         return
@@ -33,9 +33,9 @@ def ensure_environment() -> None:
         print(f"creating {VENV}", flush=True)
         venv.create(VENV, with_pip=True)
     pip = [str(PYTHON), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    print(f"installing {TORCH} and simplefsdp[test,plot] into {VENV}", flush=True)
+    print(f"installing {TORCH} and simplefsdp[test,plot,ft] into {VENV}", flush=True)
     subprocess.run([*pip, TORCH], check=True)
-    subprocess.run([*pip, "-e", f"{ROOT}[test,plot]"], check=True)
+    subprocess.run([*pip, "-e", f"{ROOT}[test,plot,ft]"], check=True)
     STAMP.write_text(wanted)
 
 

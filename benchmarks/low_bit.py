@@ -2,8 +2,8 @@
 
     python benchmarks/low_bit.py [--world-sizes 64 512] [--hardware h100-100g] > benchmarks/low_bit_llama3-8b.md
 
-Traces llama3-8b (bf16 gathers, fp32 reductions) with ``simplefsdp.inspect`` on a fake process group; a collective of
-a full buffer of S bytes over n ranks moves (n-1)/n * S bytes through each rank's link (an all-reduce twice that).
+Traces llama3-8b (bf16 gathers, fp32 reductions) with ``simplefsdp.inspect`` on a fake process group; wire bytes per
+rank as ``summary.json`` counts them (``ir.cost_model.wire_bytes``).
 """
 
 from __future__ import annotations
@@ -13,20 +13,15 @@ import argparse
 import torch
 
 import simplefsdp
+from simplefsdp.ir.cost_model import wire_bytes
 from simplefsdp.models.llama import build_model
 
 RUNS = {"full precision": None, "int8 gather, int8 reduce": simplefsdp.Quantize("int8", "int8"),
         "int8 gather, int4 reduce": simplefsdp.Quantize("int8", "int4")}
 
 
-def wire_bytes(stage) -> float:
-    total = 0.0
-    for schedule in stage.schedules:
-        for node in schedule.collectives():
-            collective = node.collective
-            share = (collective.group_size - 1) / collective.group_size
-            total += share * collective.bytes * (2 if collective.kind == "all_reduce" else 1)
-    return total
+def step_wire_bytes(stage) -> float:
+    return sum(wire_bytes(node.collective) for schedule in stage.schedules for node in schedule.collectives())
 
 
 def main() -> None:
@@ -46,7 +41,7 @@ def main() -> None:
         for name, quantize in RUNS.items():
             stage = simplefsdp.inspect(model, (tokens,), world_size=world, hardware=args.hardware, mp_policy=mp_policy,
                                        quantize=quantize).stages[-1]
-            wire = wire_bytes(stage)
+            wire = step_wire_bytes(stage)
             full = full or wire
             collectives = sum(len(schedule.collectives()) for schedule in stage.schedules)
             print(f"| {world} | {name} | {wire / 2**30:.2f} | {wire / full:.3f} | {collectives} | "

@@ -41,6 +41,7 @@ from simplefsdp.ir.hardware import get_profile
 from simplefsdp.ir.schedule import read_schedule
 from simplefsdp.ir.simulator import simulate
 from simplefsdp.models.llama import build_model, get_config
+from simplefsdp.passes.bucket_plan import find_blocks
 from simplefsdp.passes.install import OverlapPasses, graph_phase
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
@@ -50,25 +51,26 @@ HARDWARE = get_profile("h100")
 COMPUTE_DTYPE = torch.bfloat16
 
 
-def trace(model_name: str, world_size: int, batch: int, seq_len: int) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Forward and backward graphs of one step of ``model_name`` sharded over ``world_size`` fake ranks."""
+def trace(model_name: str, world_size: int, batch: int, seq_len: int) -> tuple[fx.GraphModule, fx.GraphModule, tuple]:
+    """Forward and backward graphs of one step of ``model_name`` sharded over ``world_size`` fake ranks, and the
+    model's repeated blocks."""
     with torch.device("meta"):
         model = build_model(model_name)
     shard_parameters(model, init_device_mesh("cpu", (world_size,)), "fully_shard",
                      ReplicateComputation(COMPUTE_DTYPE, torch.float32, reshard_after_forward=True))
     torch._dynamo.reset()
     graphs = capture_graphs(model, (torch.zeros(batch, seq_len, dtype=torch.long, device="meta"),))
-    return graphs.forward, graphs.backward
+    return graphs.forward, graphs.backward, find_blocks(model)
 
 
-def pytorch_bucketing(gm: fx.GraphModule) -> None:
+def pytorch_bucketing(gm: fx.GraphModule, _blocks: tuple) -> None:
     from torch._inductor.fx_passes.bucketing import bucket_all_gather, bucket_reduce_scatter
 
     bucket_all_gather(gm)
     bucket_reduce_scatter(gm)
 
 
-def pytorch_overlap(gm: fx.GraphModule) -> None:
+def pytorch_overlap(gm: fx.GraphModule, _blocks: tuple) -> None:
     from torch._inductor.fx_passes import overlap_scheduling
 
     phase = graph_phase(gm.graph)
@@ -95,14 +97,14 @@ def pytorch_overlap(gm: fx.GraphModule) -> None:
         overlap_scheduling.estimate_roofline_runtime_ms = original
 
 
-def ours(buckets) -> Callable[[fx.GraphModule], None]:
-    def run(gm: fx.GraphModule) -> None:
-        OverlapPasses(buckets, reorder=True, prefetch=1)(gm.graph)
+def ours(buckets) -> Callable[[fx.GraphModule, tuple], None]:
+    def run(gm: fx.GraphModule, blocks: tuple) -> None:
+        OverlapPasses(buckets, reorder=True, prefetch=1, blocks=blocks)(gm.graph)
 
     return run
 
 
-SCHEDULES: dict[str, Callable[[fx.GraphModule], None] | None] = {
+SCHEDULES: dict[str, Callable[[fx.GraphModule, tuple], None] | None] = {
     "no passes": None,
     "pytorch bucket_*_fx": pytorch_bucketing,
     "pytorch overlap": pytorch_overlap,
@@ -112,7 +114,7 @@ SCHEDULES: dict[str, Callable[[fx.GraphModule], None] | None] = {
 }
 
 
-def row(name: str, forward: fx.GraphModule, backward: fx.GraphModule) -> str:
+def row(name: str, forward: fx.GraphModule, backward: fx.GraphModule, blocks: tuple) -> str:
     rewrite = SCHEDULES[name]
     started = time.perf_counter()
     try:
@@ -120,7 +122,7 @@ def row(name: str, forward: fx.GraphModule, backward: fx.GraphModule) -> str:
         for gm in (forward, backward):
             gm = copy.deepcopy(gm)
             if rewrite is not None:
-                rewrite(gm)
+                rewrite(gm, blocks)
             schedules.append(read_schedule(gm, graph_phase(gm.graph)))
     except Exception as error:  # a baseline that fails on these graphs is reported, not hidden
         return f"| {name} | failed: {type(error).__name__}: {str(error).splitlines()[0][:100]} | | | | |"
@@ -146,12 +148,12 @@ def main() -> None:
              f"reshard after forward, hardware {HARDWARE.name}"]
     for world_size in args.world_sizes:
         with fake_world(world_size):
-            forward, backward = trace(args.model, world_size, args.batch_size, seq_len)
+            forward, backward, blocks = trace(args.model, world_size, args.batch_size, seq_len)
             lines += ["", f"world size {world_size}", "",
                       "| schedule | step ms | exposed comm ms (% of step) | peak GiB | collectives | rewrite+sim s |",
                       "| --- | --- | --- | --- | --- | --- |"]
             for name in SCHEDULES:
-                lines.append(row(name, forward, backward))
+                lines.append(row(name, forward, backward, blocks))
                 print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)

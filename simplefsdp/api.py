@@ -8,7 +8,7 @@ from typing import Any, Callable, TypeVar
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from simplefsdp.passes.bucket_plan import BucketMode
+from simplefsdp.passes.bucket_plan import BucketMode, find_blocks
 from simplefsdp.ir.hardware import local_profile
 from simplefsdp.passes.install import OverlapPasses, check_no_custom_post_pass, inductor_options
 from simplefsdp.passes.options import check_pass_options
@@ -37,6 +37,7 @@ def compile_sharded(
     reorder: bool = True,
     prefetch: int = 1,
     memory_budget: int | None = None,
+    blocks: list[str] | None = None,
     quantize: Quantize | None = None,
     **compile_options: Any,
 ) -> ModuleT | Callable[[ModuleT], ModuleT]:
@@ -51,8 +52,11 @@ def compile_sharded(
     (cost model, within ``memory_budget`` bytes of gathered parameters in flight), ``"block"`` (one bucket per
     repeated block, plus head and tail), ``None``, or a manual plan of module names
     (``[["tok_embeddings"], ["layers.0"], ...]``); ``reorder`` prefetches all-gathers ``prefetch`` buckets ahead and
-    sinks waits. ``quantize`` (``Quantize``) sends weights and gradients in low-bit formats (``fully_shard``).
+    sinks waits. ``blocks`` names the repeated blocks (default: ``find_blocks(model)``). All-reduces (``replicate``,
+    ``hybrid_shard``) are bucketed per block (``"auto"``) or by bytes as DDP's (``"block"``).
+    ``quantize`` (``Quantize``) sends weights and gradients in low-bit formats (``fully_shard``).
     """
+    arguments = {name: value for name, value in locals().items() if name not in ("model", "compile_options")}
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
@@ -61,13 +65,10 @@ def compile_sharded(
         raise ValueError(f"quantize must be simplefsdp.Quantize(...) or None, with mode='fully_shard' (got "
                          f"{type(quantize).__name__} with mode={mode!r}); other modes communicate in full precision")
     check_compile_options(compile_options)
-    check_pass_options(model if isinstance(model, nn.Module) else None, buckets, reorder, prefetch, memory_budget)
+    check_pass_options(model if isinstance(model, nn.Module) else None, buckets, reorder, prefetch, memory_budget,
+                       blocks)
     if model is None:
-        return functools.partial(
-            compile_sharded, mesh=mesh, mode=mode, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-            compile=compile, backend=backend, buckets=buckets, reorder=reorder, prefetch=prefetch,
-            memory_budget=memory_budget, quantize=quantize, **compile_options,
-        )
+        return functools.partial(compile_sharded, **arguments, **compile_options)
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile_sharded expects a torch.nn.Module, got {type(model).__name__}; "
                         "wrap plain functions in an nn.Module first")
@@ -82,7 +83,8 @@ def compile_sharded(
     mesh = mesh if mesh is not None else default_mesh(mode)
     check_mesh(mesh, mode)
     if passes:  # "auto" buckets are priced on the hardware this rank computes on
-        overlap = OverlapPasses(buckets, reorder, prefetch, memory_budget, local_profile(mesh.device_type))
+        overlap = OverlapPasses(buckets, reorder, prefetch, memory_budget, local_profile(mesh.device_type),
+                                find_blocks(model) if blocks is None else blocks)
         compile_options = inductor_options(overlap, compile_options)
 
     mp_policy = mp_policy or MixedPrecision()

@@ -6,6 +6,7 @@ Each command runs a library function on the parsed options; those modules never 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -61,6 +62,7 @@ def _workload(model: str, batch_size: int, seq_len: int | None, dtypes: tuple) -
 
 def _sharding() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--activation-checkpointing", default="none", choices=AC_MODES, help="per transformer block")
     parser.add_argument("--mode", default="fully_shard", choices=MODES)
     parser.add_argument("--no-reshard", dest="reshard_after_forward", action="store_false",
                         help="keep gathered parameters from forward to backward")
@@ -94,7 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
                          help="each step draws its sequence length in [seq-len/2, seq-len] from --seed")
     command.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step; gradients reduce once")
     command.add_argument("--max-norm", type=float, default=None, help="clip the total gradient norm to this value")
-    command.add_argument("--activation-checkpointing", default="none", choices=AC_MODES, help="per transformer block")
     command.add_argument("--init-on-meta", action="store_true", help="build on meta, allocate and initialize shards only")
     command.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints (DCP) here")
     command.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps; the last step always")
@@ -102,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--data", default=None, help="a text file (byte tokens); synthetic tokens when absent")
     command.add_argument("--no-compile", dest="compile", action="store_false", help="run the sharded model eagerly")
     command.add_argument("--plot", default=None, metavar="PATH", help="write the loss per step as a PNG (matplotlib)")
+    command.add_argument("--fault-tolerant", action="store_true",
+                         help="replica groups on torchft: a failed group drops out, restarts and heals (the ft extra)")
+    command.add_argument("--replica-groups", type=int, default=2, help="with --fault-tolerant: groups of --nproc ranks")
+    command.add_argument("--replica-group", type=int, default=None,
+                         help="this group's index, under your own torchrun (started by --fault-tolerant otherwise)")
+    command.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"),
+                         help="a running torchft lighthouse, http://HOST:PORT (default: $TORCHFT_LIGHTHOUSE, else "
+                              "one started locally)")
+    command.add_argument("--max-restarts", type=int, default=3, help="with --fault-tolerant: restarts per group")
     command.set_defaults(run=train.run)
 
     command = commands.add_parser("inspect", help="trace a reference model at any world size and predict its step",
@@ -110,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--dynamic", action="store_true", help="trace batch and sequence sizes as symbols")
     command.add_argument("--hardware", default="h100", help=f"{', '.join(PROFILE_NAMES)}, or a profile JSON path")
     command.add_argument("--out", default=None, help="folder for each stage's graphs, plan.txt, summary.txt, "
-                         "timeline.svg, timeline.png (with matplotlib) and trace.json")
+                         "summary.json, timeline.png (with matplotlib) and trace.json")
     command.set_defaults(run=inspection.run)
 
     command = commands.add_parser("bench", help="compare simplefsdp with FSDP2, DDP and a local baseline, side by side",

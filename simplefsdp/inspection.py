@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -19,16 +22,18 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import plots
 from simplefsdp.api import compile_sharded
+from simplefsdp.ir.cost_model import wire_bytes
 from simplefsdp.ir.capture import TraceError, capture_graphs
 from simplefsdp.ir.hardware import HardwareProfile, get_profile
-from simplefsdp.ir.render import chrome_trace, stage_table, svg_timeline, text_summary
+from simplefsdp.ir.render import chrome_trace, stage_table, text_summary
 from simplefsdp.ir.schedule import Schedule
 from simplefsdp.ir.simulator import Prediction, simulate
 from simplefsdp.models.llama import build_model, get_config
-from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan
+from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan, find_blocks
 from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.passes.reorder import ReorderPlan
+from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES
 from simplefsdp.runtime.mixed_precision import MixedPrecision
@@ -59,11 +64,12 @@ _PLAN_HEADINGS = {"bucketed": "bucket plan", "reordered": "reorder plan"}
 @dataclass
 class InspectReport:
     """The step at each stage of the passes, ``traced`` first; ``forward``, ``backward`` and ``prediction`` are the
-    last stage's, the graphs that run."""
+    last stage's, the graphs that run. ``tokens``: tokens per step per device, from the example input."""
 
     title: str
     stages: list[InspectStage]
     hardware: HardwareProfile
+    tokens: int
 
     @property
     def final(self) -> InspectStage:
@@ -72,13 +78,11 @@ class InspectReport:
 
     def stage(self, name: str) -> InspectStage:
         """The stage called ``name``; ``KeyError`` naming the stages this report has when there is none."""
-        for stage in self.stages:
-            if stage.name == name:
-                return stage
-        raise KeyError(
-            f"no {name!r} stage; this report has {', '.join(s.name for s in self.stages)} "
-            "(a pass that is off has no stage)"
-        )
+        found = [stage for stage in self.stages if stage.name == name]
+        if not found:
+            raise KeyError(f"no {name!r} stage; this report has {', '.join(s.name for s in self.stages)} "
+                           "(a pass that is off has no stage)")
+        return found[0]
 
     @property
     def forward(self) -> Schedule:
@@ -97,27 +101,15 @@ class InspectReport:
         """The final forward and backward schedule, in run order."""
         return self.final.schedules
 
-    @property
-    def sharded_param_bytes(self) -> int:
-        """Bytes of parameter shards one rank holds."""
-        return sum(graph_input.bytes for graph_input in self.forward.inputs if graph_input.param_fqn)
-
-    @property
-    def flops(self) -> float:
-        """FLOPs one rank runs in a step (forward and backward)."""
-        return sum(node.flops for schedule in self.schedules for node in schedule.nodes)
-
     def plans(self) -> str:
         """The bucket plan and the reorder plan of both graphs, as text (what ``plan.txt`` holds)."""
-        sections = [
-            f"{_PLAN_HEADINGS[stage.name]}\n{stage.forward_plan}\n{stage.backward_plan}\n"
-            for stage in self.stages[1:]
-        ]
+        sections = [f"{_PLAN_HEADINGS[stage.name]}\n{stage.forward_plan}\n{stage.backward_plan}\n"
+                    for stage in self.stages[1:]]
         return "\n".join(sections) or "no passes applied (buckets=None, reorder=False): the graphs run as traced\n"
 
     def summary(self) -> str:
         """The text summary: one row per stage, the plans, then the final graphs' predictions and collectives."""
-        table = stage_table([(stage.name, stage.schedules, stage.prediction) for stage in self.stages])
+        table = stage_table(self.stage_records())
         final = text_summary(f"{self.final.name} graphs (what runs)", self.schedules, self.prediction, self.hardware)
         return f"{self.title}\n{self.symbolic_sizes()}{table}\n{self.plans()}\n{final}"
 
@@ -127,9 +119,21 @@ class InspectReport:
         hints = ", ".join(f"{symbol}={hint}" for symbol, hint in sorted(symbols.items()))
         return f"symbolic sizes, priced at their hints: {hints}\n" if symbols else ""
 
+    def stage_records(self) -> list[dict]:
+        """Per stage, what ``summary.json`` lists: collectives, wire bytes per rank (``ir.cost_model.wire_bytes``),
+        predicted step and exposed communication in seconds, peak bytes, tokens per second per device."""
+        return [dict(
+            name=stage.name, collectives=sum(len(schedule.collectives()) for schedule in stage.schedules),
+            wire_bytes=sum(wire_bytes(node.collective) for schedule in stage.schedules
+                           for node in schedule.collectives()),
+            step_seconds=stage.prediction.step_time, exposed_comm_seconds=stage.prediction.exposed_communication,
+            peak_bytes=stage.prediction.memory.peak_bytes,
+            tokens_per_second_per_device=self.tokens / stage.prediction.step_time,
+        ) for stage in self.stages]
+
     def save(self, directory: str | Path) -> list[Path]:
         """Write the final graphs (forward.py, backward.py), each stage's graphs (``forward.0-traced.py``, ...),
-        plan.txt, summary.txt, timeline.svg, trace.json and, when matplotlib is installed, timeline.png;
+        plan.txt, summary.txt, summary.json, trace.json and, when matplotlib is installed, timeline.png;
         return their paths."""
         folder = Path(directory)
         folder.mkdir(parents=True, exist_ok=True)
@@ -140,7 +144,7 @@ class InspectReport:
         contents.update({
             "plan.txt": self.plans(),
             "summary.txt": self.summary(),
-            "timeline.svg": svg_timeline(self.title, self.schedules, self.prediction, self.hardware),
+            "summary.json": json.dumps({"stages": self.stage_records()}, indent=2) + "\n",
             "trace.json": chrome_trace(self.schedules, self.prediction, self.hardware),
         })
         for name, text in contents.items():
@@ -167,6 +171,8 @@ def inspect(
     memory_budget: int | None = None,
     title: str | None = None,
     dynamic: bool = False,
+    activation_checkpointing: str = "none",
+    loss_fn: Callable[..., torch.Tensor] | None = None,
     quantize: Quantize | None = None,
 ) -> InspectReport:
     """Trace ``model`` as ``compile_sharded`` shards it on ``world_size`` ranks (default 1), run our passes, predict.
@@ -175,6 +181,8 @@ def inspect(
     ``a100``, ``cpu``), a JSON path or a ``HardwareProfile``; it also prices ``buckets="auto"``. The pass options
     and ``quantize`` are ``compile_sharded``'s. ``dynamic`` traces sizes as symbols, priced at ``example_inputs``'
     sizes.
+    ``activation_checkpointing`` (``none``, ``selective``, ``full``) checkpoints each of ``model.layers`` as ``train``.
+    ``loss_fn(output, *example_inputs)``, when given, is traced after the model, so the step includes its loss.
     """
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size
@@ -183,9 +191,15 @@ def inspect(
     check_not_sharded(model)
     mp_policy = mp_policy or MixedPrecision()
     meta_model = _meta_copy(model)
+    if activation_checkpointing != "none" and not hasattr(meta_model, "layers"):
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} checkpoints each block of model."
+                         f"layers, and {type(model).__name__} has no layers; pass activation_checkpointing='none'")
+    apply_activation_checkpointing(getattr(meta_model, "layers", []), activation_checkpointing)
+    if loss_fn is not None:  # the copy's forward, as checkpointing wraps a block's: module names do not change
+        meta_model.forward = functools.partial(_forward_and_loss, meta_model.forward, loss_fn)
     meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
                         for x in example_inputs)
-    passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile)
+    passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile, find_blocks(model))
     with fake_world(world_size):
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
         # Sharded by compile_sharded itself, so the graphs traced here are those that run.
@@ -202,7 +216,13 @@ def inspect(
         for forward, backward in zip(forward_stages, backward_stages)
     ]
     title = title or f"{type(model).__name__}, {mode}, world {world_size} (mesh {mesh_shape}), hardware {profile.name}"
-    return InspectReport(title, stages, profile)
+    return InspectReport(title, stages, profile, _tokens(example_inputs))
+
+
+def _tokens(example_inputs: tuple) -> int:
+    """Tokens in the first tensor input: all its elements for token ids, all but the last (feature) dimension else."""
+    first = next((x for x in example_inputs if isinstance(x, torch.Tensor)), torch.empty(0))
+    return first.numel() if not first.is_floating_point() or first.dim() == 0 else first.numel() // first.shape[-1]
 
 
 def _mesh_shape(mode: str, world_size: int, devices_per_node: int) -> tuple[int, ...]:
@@ -215,10 +235,8 @@ def _mesh_shape(mode: str, world_size: int, devices_per_node: int) -> tuple[int,
         return (world_size,)
     per_node = min(devices_per_node, world_size)
     if world_size % per_node:
-        raise ValueError(
-            f"world size {world_size} does not fit the hybrid_shard mesh (nodes, {per_node} ranks per node); "
-            f"pass a multiple of {per_node}, or a hardware profile whose devices_per_node divides it"
-        )
+        raise ValueError(f"world size {world_size} does not fit the hybrid_shard mesh (nodes, {per_node} ranks "
+                         f"per node); pass a multiple of {per_node}, or a profile whose devices_per_node divides it")
     return (world_size // per_node, per_node)
 
 
@@ -231,31 +249,38 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def _forward_and_loss(forward: Callable, loss_fn: Callable, *inputs) -> torch.Tensor:
+    return loss_fn(forward(*inputs), *inputs)
+
+
+def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``train``'s loss: cross-entropy of predicting each next token, in fp32, written as the log-softmax and gather
+    that ``F.cross_entropy`` runs (its ``nll_loss`` has no autograd kernel on the meta device)."""
+    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return -log_probs.gather(-1, tokens[:, 1:, None]).mean()
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Trace the named model on the meta device, run the passes, print the summary, write the files to ``--out``."""
     config = get_config(args.model)
     seq_len = args.seq_len or config.max_seq_len
     if args.batch_size < 1 or not 1 <= seq_len <= config.max_seq_len:
-        raise SystemExit(
-            f"simplefsdp inspect: --batch-size must be at least 1 and --seq-len between 1 and "
-            f"{config.max_seq_len} (the maximum of {args.model})"
-        )
+        raise SystemExit(f"simplefsdp inspect: --batch-size must be at least 1 and --seq-len between 1 and "
+                         f"{config.max_seq_len} (the maximum of {args.model})")
     with torch.device("meta"):
         model = build_model(args.model)
     tokens = torch.zeros(args.batch_size, seq_len, dtype=torch.long, device="meta")
-    title = (
-        f"{args.model}, {args.mode}, world {args.world_size}, hardware {args.hardware}, "
-        f"{args.batch_size}x{seq_len} tokens per rank, params {str(args.param_dtype).removeprefix('torch.')}"
-    )
+    title = (f"{args.model}, {args.mode}, world {args.world_size}, hardware {args.hardware}, "
+             f"{args.batch_size}x{seq_len} tokens per rank, params {str(args.param_dtype).removeprefix('torch.')}, "
+             f"activation checkpointing {args.activation_checkpointing}")
     try:
         report = inspect(
             model, (tokens,), world_size=args.world_size, mode=args.mode, hardware=args.hardware,
             mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
-            reshard_after_forward=args.reshard_after_forward,
-            buckets=args.buckets, reorder=args.reorder,
+            reshard_after_forward=args.reshard_after_forward, buckets=args.buckets, reorder=args.reorder,
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
-            quantize=quantize_option(args.quantize_gather, args.quantize_reduce, args.error_feedback),
-        )
+            activation_checkpointing=args.activation_checkpointing, loss_fn=_next_token_loss,
+            quantize=quantize_option(args.quantize_gather, args.quantize_reduce, args.error_feedback))
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None
     print(report.summary(), end="")

@@ -65,7 +65,7 @@ def loss_chart(path: str | Path, title: str, steps: list[int], losses: list[floa
 
 def timeline_chart(path: str | Path, title: str, schedules: list[Schedule], prediction: Prediction,
                    hardware: HardwareProfile) -> Path:
-    """The predicted step as the SVG timeline draws it: compute and communication lanes over the memory curve."""
+    """The predicted step: compute and communication lanes (collectives coloured by bucket) over the memory curve."""
     figure, (lanes, memory) = _figure(12, 5, rows=2, sharex=True, height_ratios=(1, 2))
     figure.suptitle(f"{title}\nstep {format_seconds(prediction.step_time)}, exposed communication "
                     f"{format_seconds(prediction.exposed_communication)}, peak {format_bytes(prediction.memory.peak_bytes)}",

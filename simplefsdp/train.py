@@ -24,7 +24,8 @@ from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpoint
 from simplefsdp.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from simplefsdp.runtime.clip_grad import clip_grad_norm_
 from simplefsdp.runtime.compile import compiled_graphs, graph_cache_hits
-from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks
+from simplefsdp.runtime.fault_tolerance import INSTALL, ReplicaGroup
+from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks, launch_replica_groups
 from simplefsdp.runtime.mesh import init_distributed
 from simplefsdp.runtime.meta_init import materialize_sharded
 from simplefsdp.runtime.mixed_precision import MixedPrecision
@@ -51,6 +52,21 @@ def check_arguments(args: argparse.Namespace) -> None:
         fail(str(error))
     if args.plot and (reason := plots.missing()):
         fail(f"--plot {args.plot}: {reason}")
+    if args.fault_tolerant:
+        check_fault_tolerant(args)
+
+
+def check_fault_tolerant(args: argparse.Namespace) -> None:
+    """Exit with the fix when ``--fault-tolerant`` cannot run: no torchft, a mode other than fully_shard, bad counts."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        fail(f"--fault-tolerant needs torchft; {INSTALL}")
+    if args.mode != "fully_shard":
+        fail(f"--fault-tolerant runs fully_shard inside each replica group, across groups it averages like "
+             f"hybrid_shard; drop --mode {args.mode}")
+    if args.replica_groups < 1 or args.max_restarts < 0:
+        fail("--replica-groups must be at least 1 and --max-restarts at least 0")
 
 
 def fail(message: str) -> None:
@@ -60,10 +76,15 @@ def fail(message: str) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Train on this process when launched by torchrun, else launch ``--nproc`` local ranks."""
     check_arguments(args)
+    if is_launched_rank() and args.fault_tolerant and (args.replica_group is None or args.lighthouse is None):
+        fail("--fault-tolerant under torchrun needs --replica-group G and a lighthouse "
+             "(--lighthouse http://HOST:PORT or TORCHFT_LIGHTHOUSE)")
     if not is_launched_rank():
         if not torch.cuda.is_available():
             cpu_profile()  # measure the CPU for MFU now, while no rank runs, unless its profile is cached
-        return launch_local_ranks(args.nproc, argv)
+        if args.fault_tolerant and args.replica_group is None:
+            return launch_replica_groups(args.replica_groups, args.nproc, argv, args.lighthouse)
+        return launch_local_ranks(args.nproc, argv, args.max_restarts if args.fault_tolerant else 0)
     train(args)
     # A finished rank leaves without running C++ static destructors: with PyTorch 2.13 and
     # gloo these can abort at exit ("terminate called without an active exception"),
@@ -106,6 +127,9 @@ def train(args: argparse.Namespace) -> None:
     model = build(args)
     num_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    replicas = ReplicaGroup(model, optimizer, args.replica_group, args.replica_groups, args.lighthouse) \
+        if args.fault_tolerant else None
+    data_rank, data_world = (args.replica_group * world + rank, args.replica_groups * world) if replicas else (rank, world)
     tokens = load_tokens(args.data, args.seed)
     device = next(model.parameters()).device
     say = print if rank == 0 else (lambda *_, **__: None)
@@ -124,25 +148,30 @@ def train(args: argparse.Namespace) -> None:
             fail(str(error))
         say(f"resumed from {path} at step {start}")
 
-    step_times, losses, mfus = [], [], []
+    trained, step_times, losses, mfus = [], [], [], []
     if args.compile:
         say("compiling the forward and backward graphs in the first step ...", flush=True)
-    for step in range(start + 1, args.steps + 1):
+    begin = time.perf_counter()  # a step's time includes its quorum under --fault-tolerant
+    for step in replicas.steps(start, args.steps) if replicas else range(start + 1, args.steps + 1):
         seq_len = step_seq_len(step, args.seq_len, args.seed) if args.variable_seq_len else args.seq_len
-        batch = rank_batch(tokens, step, args.batch_size * args.grad_accum, seq_len, args.seed, rank, world)
+        batch = rank_batch(tokens, step, args.batch_size * args.grad_accum, seq_len, args.seed, data_rank, data_world)
         graphs = compiled_graphs()
+        trained.append(step)
         micro_batches = batch.to(device).chunk(args.grad_accum)
-        begin = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
         for index, micro in enumerate(micro_batches):
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
             loss = next_token_loss(model, micro) / args.grad_accum
             loss.backward()
             loss_sum += loss.detach()
+        if replicas:
+            replicas.average_gradients()
         grad_note = ""
         if args.max_norm is not None:
             grad_note = f"  grad norm {clip_grad_norm_(model, args.max_norm).item():.3f}"
-        optimizer.step()
+        committed = replicas.should_commit() if replicas else True
+        if committed:
+            optimizer.step()
         optimizer.zero_grad()
         dist.all_reduce(loss_sum)
         losses.append(loss_sum.item() / world)
@@ -154,17 +183,24 @@ def train(args: argparse.Namespace) -> None:
             cached = f" ({hits} of {lookups} graphs from Inductor's cache)" if lookups else ""
             say(f"compiled in {step_times[0]:.1f} s{cached}", flush=True)
         note = "  recompiled" if len(step_times) > 1 and compiled_graphs() > graphs else ""
+        if replicas:
+            note += f"  group {args.replica_group} replicas {replicas.participants}/{args.replica_groups}"
+            note += "" if committed else "  not committed"
         say(f"step {step:4d}/{args.steps}  loss {losses[-1]:.4f}  "
             f"{share * tokens_per_step / step_times[-1]:10,.0f} tok/s  "
             f"MFU {mfus[-1]:6.2%}  {step_times[-1]:.3f} s{grad_note}{note}", flush=True)
-        if args.checkpoint_dir and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
+        saves = committed and not (replicas and args.replica_group)  # one replica group saves
+        if args.checkpoint_dir and saves and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
             say(f"saved {save_checkpoint(args.checkpoint_dir, step, model, optimizer)}", flush=True)
+        begin = time.perf_counter()
 
     if step_times:
-        summarize(say, args, start, losses, step_times, mfus, tokens_per_step, world)
+        summarize(say, args, trained[0] - 1, losses, step_times, mfus, tokens_per_step, world)
+        if replicas:
+            say(f"group {args.replica_group}: rank 0's parameter checksum {replicas.checksum()}")
         if args.plot and rank == 0:
             title = f"simplefsdp train: {args.model}, {world} rank(s), mode {args.mode}"
-            say(f"wrote {plots.loss_chart(args.plot, title, list(range(start + 1, args.steps + 1)), losses)}")
+            say(f"wrote {plots.loss_chart(args.plot, title, trained, losses)}")
     else:
         say(f"summary: the checkpoint is already at step {start} >= --steps {args.steps}; nothing to train")
     dist.destroy_process_group()

@@ -88,17 +88,18 @@ def test_in_place_notice_is_hidden_only_for_that_message():
     assert wrap.log.filter(record("any other warning"))
 
 
-def test_auto_buckets_are_priced_on_the_hardware_that_runs_the_model(fake_world, monkeypatch):
+def test_auto_buckets_are_priced_on_the_hardware_that_runs_the_model_from_the_named_blocks(fake_world, monkeypatch):
     priced_on = []
     plan_buckets = OverlapPasses.plan_buckets
     monkeypatch.setattr(OverlapPasses, "plan_buckets", lambda passes, schedule: (
-        priced_on.append(passes.hardware.name), plan_buckets(passes, schedule))[1])
-    model = compile_sharded(TwoLinears(), buckets="auto")
+        priced_on.append((passes.hardware.name, passes.blocks)), plan_buckets(passes, schedule))[1])
+    model = compile_sharded(TwoLinears(), buckets="auto", blocks=["first"])  # found in the module tree: none
     # a cache hit would skip the passes
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         model(torch.randn(4, 8)).sum().backward()
     expected = local_profile("cuda").name if torch.cuda.is_available() else "cpu"  # the measured cpu profile
-    assert priced_on == [expected, expected]  # forward and backward; never the h100 default on a CPU
+    # forward and backward; never the h100 default on a CPU
+    assert priced_on == [(expected, ("first",)), (expected, ("first",))]
 
 
 def test_a_root_torch_nn_module_is_compiled_into_one_graph(fake_world):

@@ -89,3 +89,26 @@ def test_second_process_hits_the_fx_graph_cache(processes):
     warm = processes["warm_fx_only"]
     assert warm.get("fxgraph_cache_hit") == 4 and warm.get("fxgraph_cache_miss", 0) == 0, warm
 
+
+
+def test_ranks_in_different_groups_of_a_2d_mesh_get_different_cache_keys():
+    """The graph of a hybrid_shard rank holds its own groups' names: a rank of another shard group must not load it."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from simplefsdp.runtime.compile import _reduce_mesh_by_value
+
+    keys, stable = {}, set()
+    for rank in (0, 1, 2):  # mesh (2, 2): ranks 0 and 1 share a shard group, rank 2 is in the other one
+        dist.init_process_group("fake", rank=rank, world_size=4, store=FakeStore())
+        try:
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            keys[rank] = _reduce_mesh_by_value(None, SimpleNamespace(real_obj=mesh))
+            stable.add(mesh._stable_hash())
+        finally:
+            dist.destroy_process_group()
+    assert len(stable) == 1  # the mesh alone is the same on every rank
+    assert keys[2] != keys[0]

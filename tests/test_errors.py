@@ -113,6 +113,8 @@ def test_manual_plan_puts_a_parameter_in_two_buckets(no_collectives):
         ({"prefetch": -1}, "prefetch must be a whole number of buckets"),
         ({"reorder": "yes"}, "reorder must be True or False"),
         ({"memory_budget": 0}, "memory_budget must be a positive number of bytes"),
+        ({"blocks": "0"}, "blocks must be a list of module names"),
+        ({"blocks": ["0", "layers.1"]}, "blocks= names module\\(s\\) that Sequential does not have: 'layers.1'"),
         ({"options": {"post_grad_custom_post_pass": None}}, "post_grad_custom_post_pass'\\] is taken by simplefsdp"),
     ],
 )

@@ -17,6 +17,8 @@ from simplefsdp.ir.fqn import node_fqn, parse_module_path
         ("L['self'].layers[2].feed_forward", "layers.2.feed_forward"),
         ("L['fn']._orig_mod.layers.1", "layers.1"),
         ("L['self'].layers.0._checkpoint_wrapped_module.mlp", "layers.0.mlp"),
+        ("L['self'].layers[0].forward.args[0].__self__.attention.wq", "layers.0.attention.wq"),  # checkpointed block
+        ("L['forward'].__self__.layers[0].forward.args[0].__self__.wq", "layers.0.wq"),  # and inspect's loss
         ("self.layers.1.ffn", "layers.1.ffn"),
         ("fn.norm", "norm"),
         ("L['self']", ""),

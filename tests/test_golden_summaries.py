@@ -50,13 +50,13 @@ bucketed             13        1.023 ms       223.4 us     1.02 MiB
 reordered            13        870.0 us        70.2 us     1.12 MiB
 
 bucket plan
-forward: 5 bucket(s)
+forward: 5 bucket(s), 2 block(s) layers.0 .. layers.1
   all_gather tok_embeddings: 1 collective(s) [tok_embeddings]
   all_gather layers.0.attention_norm: 1 collective(s) [layers.0.attention_norm]
   all_gather layers.0.attention+layers.0.ffn_norm+layers.0.feed_forward+layers.1.attention_norm: 9 collective(s) [layers.0.attention.wq, layers.0.attention.wk, layers.0.attention.wv, layers.0.attention.wo, layers.0.ffn_norm, layers.0.feed_forward.w1, layers.0.feed_forward.w3, layers.0.feed_forward.w2, layers.1.attention_norm]
   all_gather layers.1.attention+layers.1.ffn_norm+layers.1.feed_forward+norm: 9 collective(s) [layers.1.attention.wq, layers.1.attention.wk, layers.1.attention.wv, layers.1.attention.wo, layers.1.ffn_norm, layers.1.feed_forward.w1, layers.1.feed_forward.w3, layers.1.feed_forward.w2, norm]
   all_gather output: 1 collective(s) [output]
-backward: 8 bucket(s)
+backward: 8 bucket(s), 2 block(s) layers.0 .. layers.1
   all_gather output: 1 collective(s) [output]
   reduce_scatter tail: 2 collective(s) [output, norm]
   all_gather norm: 1 collective(s) [norm]
@@ -85,7 +85,7 @@ backward: 4 prefetch(es), 3 sunk wait(s)
 reordered graphs (what runs)
 predicted step 870.0 us: compute 799.8 us, communication 223.4 us, exposed 70.2 us, overlap 68.6%, lower bound 799.8 us
 peak memory per rank 1.12 MiB at backward:mul_38: sharded_params 64.16 KiB, unsharded_params 96.25 KiB, gradients 8.03 KiB, comm_buffers 0 B, activations 975.30 KiB
-FLOPs per rank per step 1.174e+08
+FLOPs per rank per step 1.028e+08
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  forward   all_gather      f0      tok_embeddings                        8  bfloat16    32.00 KiB     17.1 us  no, stalls 17.1 us
@@ -111,7 +111,7 @@ def test_fully_shard_traced_graphs(fully_shard):
 debug, fully_shard, world 8, h100
 predicted step 1.905 ms: compute 849.0 us, communication 1.056 ms, exposed 1.056 ms, overlap 0.0%, lower bound 1.056 ms
 peak memory per rank 915.23 KiB at backward:mul_38: sharded_params 64.16 KiB, unsharded_params 0 B, gradients 20.03 KiB, comm_buffers 0 B, activations 831.05 KiB
-FLOPs per rank per step 1.174e+08
+FLOPs per rank per step 1.028e+08
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  forward   all_gather      f0      tok_embeddings                        8  bfloat16    32.00 KiB     17.1 us  no, stalls 17.1 us
@@ -184,64 +184,34 @@ def test_replicate_summary():
 debug, replicate, world 8, h100
 stage       collectives  predicted step  exposed comm.  peak memory
 traced               21        1.322 ms       506.5 us     1.61 MiB
-bucketed             21        1.322 ms       506.5 us     1.61 MiB
-reordered            21        839.6 us        24.3 us     1.61 MiB
+bucketed              4        920.1 us        98.5 us     1.61 MiB
+reordered             4        845.9 us        24.3 us     1.61 MiB
 
 bucket plan
-forward: 0 bucket(s)
-backward: 0 bucket(s)
+forward: 0 bucket(s), 2 block(s) layers.0 .. layers.1
+backward: 4 bucket(s), 2 block(s) layers.0 .. layers.1
+  all_reduce tail: 2 collective(s) [output, norm]
+  all_reduce layers.1: 9 collective(s) [layers.1.feed_forward.w2, layers.1.feed_forward.w3, layers.1.feed_forward.w1, layers.1.ffn_norm, layers.1.attention.wo, layers.1.attention.wv, layers.1.attention.wk, layers.1.attention.wq, layers.1.attention_norm]
+  all_reduce layers.0: 9 collective(s) [layers.0.feed_forward.w2, layers.0.feed_forward.w3, layers.0.feed_forward.w1, layers.0.ffn_norm, layers.0.attention.wo, layers.0.attention.wv, layers.0.attention.wk, layers.0.attention.wq, layers.0.attention_norm]
+  all_reduce head: 1 collective(s) [tok_embeddings]
 
 reorder plan
 forward: 0 prefetch(es), 0 sunk wait(s)
-backward: 0 prefetch(es), 20 sunk wait(s)
-  sink wait_tensor to before wait_tensor_20
-  sink wait_tensor_1 to before wait_tensor_20
-  sink wait_tensor_2 to before wait_tensor_20
-  sink wait_tensor_3 to before wait_tensor_20
-  sink wait_tensor_4 to before wait_tensor_20
-  sink wait_tensor_5 to before wait_tensor_20
-  sink wait_tensor_6 to before wait_tensor_20
-  sink wait_tensor_7 to before wait_tensor_20
-  sink wait_tensor_8 to before wait_tensor_20
-  sink wait_tensor_9 to before wait_tensor_20
-  sink wait_tensor_10 to before wait_tensor_20
-  sink wait_tensor_11 to before wait_tensor_20
-  sink wait_tensor_12 to before wait_tensor_20
-  sink wait_tensor_13 to before wait_tensor_20
-  sink wait_tensor_14 to before wait_tensor_20
-  sink wait_tensor_15 to before wait_tensor_20
-  sink wait_tensor_16 to before wait_tensor_20
-  sink wait_tensor_17 to before wait_tensor_20
-  sink wait_tensor_18 to before wait_tensor_20
-  sink wait_tensor_19 to before wait_tensor_20
+backward: 0 prefetch(es), 3 sunk wait(s)
+  sink wait_tensor_21 to before all_reduce_22
+  sink wait_tensor_22 to before all_reduce_23
+  sink wait_tensor_23 to before all_reduce_20
 
 reordered graphs (what runs)
-predicted step 839.6 us: compute 815.3 us, communication 506.5 us, exposed 24.3 us, overlap 95.2%, lower bound 815.3 us
-peak memory per rank 1.61 MiB at backward:mul_38: sharded_params 513.25 KiB, unsharded_params 0 B, gradients 160.25 KiB, comm_buffers 0 B, activations 975.17 KiB
-FLOPs per rank per step 1.174e+08
+predicted step 845.9 us: compute 821.6 us, communication 98.5 us, exposed 24.3 us, overlap 75.3%, lower bound 821.6 us
+peak memory per rank 1.61 MiB at backward:mul_38: sharded_params 513.25 KiB, unsharded_params 0 B, gradients 64.25 KiB, comm_buffers 0 B, activations 1.05 MiB
+FLOPs per rank per step 1.028e+08
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
-  0  backward  all_reduce      b0      output                                8  float32     64.00 KiB     24.3 us  yes
-  1  backward  all_reduce      b1      norm                                  8  float32         256 B     24.0 us  yes
-  2  backward  all_reduce      b2      layers.1.feed_forward.w2              8  float32     48.00 KiB     24.2 us  yes
-  3  backward  all_reduce      b3      layers.1.feed_forward.w3              8  float32     48.00 KiB     24.2 us  yes
-  4  backward  all_reduce      b4      layers.1.feed_forward.w1              8  float32     48.00 KiB     24.2 us  yes
-  5  backward  all_reduce      b5      layers.1.ffn_norm                     8  float32         256 B     24.0 us  yes
-  6  backward  all_reduce      b6      layers.1.attention.wo                 8  float32     16.00 KiB     24.1 us  yes
-  7  backward  all_reduce      b7      layers.1.attention.wv                 8  float32      8.00 KiB     24.0 us  yes
-  8  backward  all_reduce      b8      layers.1.attention.wk                 8  float32      8.00 KiB     24.0 us  yes
-  9  backward  all_reduce      b9      layers.1.attention.wq                 8  float32     16.00 KiB     24.1 us  yes
- 10  backward  all_reduce      b10     layers.1.attention_norm               8  float32         256 B     24.0 us  yes
- 11  backward  all_reduce      b11     layers.0.feed_forward.w2              8  float32     48.00 KiB     24.2 us  yes
- 12  backward  all_reduce      b12     layers.0.feed_forward.w3              8  float32     48.00 KiB     24.2 us  yes
- 13  backward  all_reduce      b13     layers.0.feed_forward.w1              8  float32     48.00 KiB     24.2 us  yes
- 14  backward  all_reduce      b14     layers.0.ffn_norm                     8  float32         256 B     24.0 us  yes
- 15  backward  all_reduce      b15     layers.0.attention.wo                 8  float32     16.00 KiB     24.1 us  yes
- 16  backward  all_reduce      b16     layers.0.attention.wv                 8  float32      8.00 KiB     24.0 us  yes
- 17  backward  all_reduce      b17     layers.0.attention.wk                 8  float32      8.00 KiB     24.0 us  yes
- 18  backward  all_reduce      b18     layers.0.attention.wq                 8  float32     16.00 KiB     24.1 us  yes
- 19  backward  all_reduce      b19     layers.0.attention_norm               8  float32         256 B     24.0 us  yes
- 20  backward  all_reduce      b20     tok_embeddings                        8  float32     64.00 KiB     24.3 us  no, stalls 24.3 us
+  0  backward  all_reduce      b0      output                                8  float32     64.25 KiB     24.3 us  yes
+  1  backward  all_reduce      b1      layers.1.feed_forward.w2              8  float32    192.50 KiB     24.9 us  yes
+  2  backward  all_reduce      b2      layers.0.feed_forward.w2              8  float32    192.50 KiB     24.9 us  yes
+  3  backward  all_reduce      b3      tok_embeddings                        8  float32     64.00 KiB     24.3 us  no, stalls 24.3 us
 """)
 
 
@@ -250,25 +220,29 @@ def test_hybrid_shard_summary():
 debug, hybrid_shard, world 8, h100-4-per-node
 stage       collectives  predicted step  exposed comm.  peak memory
 traced               83        2.038 ms       1.189 ms   999.42 KiB
-bucketed             34        1.352 ms       551.9 us     1.22 MiB
-reordered            34        1.025 ms       225.3 us     1.31 MiB
+bucketed             17        1.052 ms       245.9 us     1.22 MiB
+reordered            17        918.6 us       112.7 us     1.31 MiB
 
 bucket plan
-forward: 5 bucket(s)
+forward: 5 bucket(s), 2 block(s) layers.0 .. layers.1
   all_gather tok_embeddings: 1 collective(s) [tok_embeddings]
   all_gather layers.0.attention_norm: 1 collective(s) [layers.0.attention_norm]
   all_gather layers.0.attention+layers.0.ffn_norm+layers.0.feed_forward+layers.1.attention_norm: 9 collective(s) [layers.0.attention.wq, layers.0.attention.wk, layers.0.attention.wv, layers.0.attention.wo, layers.0.ffn_norm, layers.0.feed_forward.w1, layers.0.feed_forward.w3, layers.0.feed_forward.w2, layers.1.attention_norm]
   all_gather layers.1.attention+layers.1.ffn_norm+layers.1.feed_forward+norm: 9 collective(s) [layers.1.attention.wq, layers.1.attention.wk, layers.1.attention.wv, layers.1.attention.wo, layers.1.ffn_norm, layers.1.feed_forward.w1, layers.1.feed_forward.w3, layers.1.feed_forward.w2, norm]
   all_gather output: 1 collective(s) [output]
-backward: 8 bucket(s)
+backward: 12 bucket(s), 2 block(s) layers.0 .. layers.1
   all_gather output: 1 collective(s) [output]
   reduce_scatter tail: 2 collective(s) [output, norm]
+  all_reduce tail: 2 collective(s) [output, norm]
   all_gather norm: 1 collective(s) [norm]
   all_gather layers.1.feed_forward+layers.1.ffn_norm+layers.1.attention+layers.1.attention_norm: 9 collective(s) [layers.1.feed_forward.w2, layers.1.feed_forward.w3, layers.1.feed_forward.w1, layers.1.ffn_norm, layers.1.attention.wo, layers.1.attention.wv, layers.1.attention.wk, layers.1.attention.wq, layers.1.attention_norm]
   reduce_scatter layers.1: 9 collective(s) [layers.1.feed_forward.w2, layers.1.feed_forward.w3, layers.1.feed_forward.w1, layers.1.ffn_norm, layers.1.attention.wo, layers.1.attention.wv, layers.1.attention.wk, layers.1.attention.wq, layers.1.attention_norm]
+  all_reduce layers.1: 9 collective(s) [layers.1.feed_forward.w2, layers.1.feed_forward.w3, layers.1.feed_forward.w1, layers.1.ffn_norm, layers.1.attention.wo, layers.1.attention.wv, layers.1.attention.wk, layers.1.attention.wq, layers.1.attention_norm]
   all_gather layers.0.feed_forward+layers.0.ffn_norm+layers.0.attention+layers.0.attention_norm: 9 collective(s) [layers.0.feed_forward.w2, layers.0.feed_forward.w3, layers.0.feed_forward.w1, layers.0.ffn_norm, layers.0.attention.wo, layers.0.attention.wv, layers.0.attention.wk, layers.0.attention.wq, layers.0.attention_norm]
   reduce_scatter layers.0: 9 collective(s) [layers.0.feed_forward.w2, layers.0.feed_forward.w3, layers.0.feed_forward.w1, layers.0.ffn_norm, layers.0.attention.wo, layers.0.attention.wv, layers.0.attention.wk, layers.0.attention.wq, layers.0.attention_norm]
+  all_reduce layers.0: 9 collective(s) [layers.0.feed_forward.w2, layers.0.feed_forward.w3, layers.0.feed_forward.w1, layers.0.ffn_norm, layers.0.attention.wo, layers.0.attention.wv, layers.0.attention.wk, layers.0.attention.wq, layers.0.attention_norm]
   reduce_scatter head: 1 collective(s) [tok_embeddings]
+  all_reduce head: 1 collective(s) [tok_embeddings]
 
 reorder plan
 forward: 4 prefetch(es), 1 sunk wait(s)
@@ -277,36 +251,19 @@ forward: 4 prefetch(es), 1 sunk wait(s)
   issue all_gather_into_tensor_out_1 after wait_tensor_21 (before mm)
   issue all_gather_into_tensor_20 after wait_tensor_22 (before mm_7)
   sink wait_tensor_20 to before mm_14
-backward: 4 prefetch(es), 20 sunk wait(s)
+backward: 4 prefetch(es), 3 sunk wait(s)
   issue all_gather_into_tensor_20 after the graph inputs (before mm_15)
   issue all_gather_into_tensor_19 after wait_tensor_20 (before mm_16)
   issue all_gather_into_tensor_out after wait_tensor_19 (before mul_29)
-  issue all_gather_into_tensor_out_1 after wait_tensor_63 (before mm_18)
-  sink wait_tensor_22 to before wait_tensor_62
-  sink wait_tensor_24 to before wait_tensor_62
-  sink wait_tensor_26 to before wait_tensor_62
-  sink wait_tensor_28 to before wait_tensor_62
-  sink wait_tensor_30 to before wait_tensor_62
-  sink wait_tensor_32 to before wait_tensor_62
-  sink wait_tensor_34 to before wait_tensor_62
-  sink wait_tensor_36 to before wait_tensor_62
-  sink wait_tensor_38 to before wait_tensor_62
-  sink wait_tensor_40 to before wait_tensor_62
-  sink wait_tensor_42 to before wait_tensor_62
-  sink wait_tensor_44 to before wait_tensor_62
-  sink wait_tensor_46 to before wait_tensor_62
-  sink wait_tensor_48 to before wait_tensor_62
-  sink wait_tensor_50 to before wait_tensor_62
-  sink wait_tensor_52 to before wait_tensor_62
-  sink wait_tensor_54 to before wait_tensor_62
-  sink wait_tensor_56 to before wait_tensor_62
-  sink wait_tensor_58 to before wait_tensor_62
-  sink wait_tensor_60 to before wait_tensor_62
+  issue all_gather_into_tensor_out_1 after wait_tensor_64 (before mm_18)
+  sink wait_tensor_63 to before all_reduce_22
+  sink wait_tensor_66 to before all_reduce_23
+  sink wait_tensor_69 to before all_reduce_20
 
 reordered graphs (what runs)
-predicted step 1.025 ms: compute 799.9 us, communication 551.9 us, exposed 225.3 us, overlap 59.2%, lower bound 799.9 us
+predicted step 918.6 us: compute 805.9 us, communication 245.9 us, exposed 112.7 us, overlap 54.2%, lower bound 805.9 us
 peak memory per rank 1.31 MiB at backward:all_gather_into_tensor_out_1: sharded_params 128.31 KiB, unsharded_params 192.50 KiB, gradients 16.06 KiB, comm_buffers 0 B, activations 1007.80 KiB
-FLOPs per rank per step 1.174e+08
+FLOPs per rank per step 1.028e+08
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  forward   all_gather      f0      tok_embeddings                        4  bfloat16    32.00 KiB     13.1 us  no, stalls 13.1 us
@@ -318,29 +275,12 @@ FLOPs per rank per step 1.174e+08
   6  backward  all_gather      b1      norm                                  4  bfloat16        128 B     13.0 us  no, stalls 0.8 us
   7  backward  all_gather      b2      layers.1.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
   8  backward  reduce_scatter  b3      output                                4  float32     64.25 KiB     13.1 us  no, stalls 18.3 us
-  9  backward  all_reduce      b4      output                                2  float32     16.00 KiB     18.3 us  yes
- 10  backward  all_reduce      b5      norm                                  2  float32          64 B     18.0 us  yes
- 11  backward  all_gather      b6      layers.0.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
- 12  backward  reduce_scatter  b7      layers.1.feed_forward.w2              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
- 13  backward  all_reduce      b8      layers.1.feed_forward.w2              2  float32     12.00 KiB     18.3 us  yes
- 14  backward  all_reduce      b9      layers.1.feed_forward.w3              2  float32     12.00 KiB     18.3 us  yes
- 15  backward  all_reduce      b10     layers.1.feed_forward.w1              2  float32     12.00 KiB     18.3 us  yes
- 16  backward  all_reduce      b11     layers.1.ffn_norm                     2  float32          64 B     18.0 us  yes
- 17  backward  all_reduce      b12     layers.1.attention.wo                 2  float32      4.00 KiB     18.1 us  yes
- 18  backward  all_reduce      b13     layers.1.attention.wv                 2  float32      2.00 KiB     18.0 us  yes
- 19  backward  all_reduce      b14     layers.1.attention.wk                 2  float32      2.00 KiB     18.0 us  yes
- 20  backward  all_reduce      b15     layers.1.attention.wq                 2  float32      4.00 KiB     18.1 us  yes
- 21  backward  all_reduce      b16     layers.1.attention_norm               2  float32          64 B     18.0 us  yes
- 22  backward  reduce_scatter  b17     layers.0.feed_forward.w2              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
- 23  backward  all_reduce      b18     layers.0.feed_forward.w2              2  float32     12.00 KiB     18.3 us  yes
- 24  backward  all_reduce      b19     layers.0.feed_forward.w3              2  float32     12.00 KiB     18.3 us  yes
- 25  backward  all_reduce      b20     layers.0.feed_forward.w1              2  float32     12.00 KiB     18.3 us  yes
- 26  backward  all_reduce      b21     layers.0.ffn_norm                     2  float32          64 B     18.0 us  yes
- 27  backward  all_reduce      b22     layers.0.attention.wo                 2  float32      4.00 KiB     18.1 us  yes
- 28  backward  all_reduce      b23     layers.0.attention.wv                 2  float32      2.00 KiB     18.0 us  yes
- 29  backward  all_reduce      b24     layers.0.attention.wk                 2  float32      2.00 KiB     18.0 us  yes
- 30  backward  all_reduce      b25     layers.0.attention.wq                 2  float32      4.00 KiB     18.1 us  yes
- 31  backward  all_reduce      b26     layers.0.attention_norm               2  float32          64 B     18.0 us  yes
- 32  backward  reduce_scatter  b27     tok_embeddings                        4  float32     64.00 KiB     13.1 us  no, stalls 125.7 us
- 33  backward  all_reduce      b28     tok_embeddings                        2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
+  9  backward  all_reduce      b4      output                                2  float32     16.06 KiB     18.3 us  yes
+ 10  backward  all_gather      b5      layers.0.feed_forward.w2              4  bfloat16    96.25 KiB     13.2 us  yes
+ 11  backward  reduce_scatter  b6      layers.1.feed_forward.w2              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
+ 12  backward  all_reduce      b7      layers.1.feed_forward.w2              2  float32     48.12 KiB     19.0 us  yes
+ 13  backward  reduce_scatter  b8      layers.0.feed_forward.w2              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
+ 14  backward  all_reduce      b9      layers.0.feed_forward.w2              2  float32     48.12 KiB     19.0 us  yes
+ 15  backward  reduce_scatter  b10     tok_embeddings                        4  float32     64.00 KiB     13.1 us  no, stalls 13.1 us
+ 16  backward  all_reduce      b11     tok_embeddings                        2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
 """)

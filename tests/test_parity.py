@@ -32,6 +32,7 @@ PASS_JOBS = {
     "manual-no-reorder-inductor": "passes-off-inductor",
     "no-buckets-reorder-inductor-keep-unsharded": "passes-off-inductor-keep-unsharded",
     "linear_7x5-inductor": "linear_7x5-passes-off-inductor",  # uneven shards: 5 rows over 2 ranks, padded
+    "replicate-inductor": "replicate-passes-off-inductor",  # all-reduces in 64 KiB byte buckets, one in flight
 }
 
 TWO_RANK_JOBS = {
@@ -46,7 +47,9 @@ TWO_RANK_JOBS = {
     "manual-no-reorder-inductor": ("llama", "simplefsdp", {**INDUCTOR, "buckets": MANUAL_PLAN, "reorder": False}),
     "no-buckets-reorder-inductor-keep-unsharded": ("llama", "simplefsdp", {**INDUCTOR, **KEEP_UNSHARDED, "buckets": None}),
     "replicate-eager": ("llama", "simplefsdp", {**EAGER, "mode": "replicate"}),
-    "replicate-inductor": ("llama", "simplefsdp", {**INDUCTOR, "mode": "replicate"}),
+    "replicate-inductor": (
+        "llama", "simplefsdp", {**INDUCTOR, "mode": "replicate", "buckets": "block", "memory_budget": 2**17}),
+    "replicate-passes-off-inductor": ("llama", "simplefsdp", {**PASSES_OFF, "mode": "replicate"}),
     "fully_shard-aot_eager-adamw": ("llama", "simplefsdp", {"backend": "aot_eager", **ADAMW}),
     "fsdp2-adamw": ("llama", "fsdp2", ADAMW),
     "fully_shard-eager-bf16-adamw": ("llama", "simplefsdp", {**EAGER, "param_dtype": torch.bfloat16, **ADAMW}),

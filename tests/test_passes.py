@@ -23,7 +23,7 @@ from simplefsdp.ir.hardware import get_profile
 from simplefsdp.ir.schedule import read_schedule
 from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.passes.auto_buckets import module_names, plan_auto_buckets
-from simplefsdp.passes.bucket_plan import bucketable, group_collectives, plan_buckets
+from simplefsdp.passes.bucket_plan import bucketable, find_blocks, group_collectives, plan_buckets
 from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.reorder import plan_reorder
 from simplefsdp.runtime.fake_world import fake_world
@@ -34,16 +34,19 @@ from scenarios import TwoLinears
 LAYERS = get_config("debug").n_layers
 TOKENS = (2, 16)
 MANUAL = [["tok_embeddings"], ["layers.0", "layers.1"], ["norm", "output"]]
+BLOCKS = find_blocks(build_model("debug"))
 
 
-def traced(reshard_after_forward: bool):
-    """The debug model's forward and backward graphs (min-cut partitioned as Inductor) on 8 fake ranks."""
+def traced(reshard_after_forward: bool, model: nn.Module | None = None, inputs: tuple | None = None,
+           mode: str = "fully_shard"):
+    """The forward and backward graphs (min-cut partitioned as Inductor) of ``model`` (default: debug) on 8 fake
+    ranks."""
     torch.manual_seed(0)
-    model = build_model("debug")
-    shard_parameters(model, init_device_mesh("cpu", (8,)), "fully_shard",
-                     ReplicateComputation(None, None, reshard_after_forward))
+    model = model or build_model("debug")
+    replicate = ReplicateComputation(None, None, reshard_after_forward)
+    shard_parameters(model, init_device_mesh("cpu", (8,)), mode, replicate)
     torch._dynamo.reset()
-    graphs = capture_graphs(model, (torch.randint(0, 256, TOKENS),), fused_attention=False)
+    graphs = capture_graphs(model, inputs or (torch.randint(0, 256, TOKENS),), fused_attention=False)
     return graphs, read_schedule(graphs.forward, "forward"), read_schedule(graphs.backward, "backward")
 
 
@@ -77,14 +80,90 @@ def collectives(graph: torch.fx.Graph, kind: str) -> int:
 def test_block_plan_has_one_bucket_per_layer_plus_head_and_tail(resharded):
     _, forward, backward = resharded
     layers = [f"layers.{i}" for i in range(LAYERS)]
-    assert kinds(plan_buckets(forward, "block")) == [("all_gather", n) for n in ["head", *layers, "tail"]]
+    assert BLOCKS == tuple(layers)
+    assert kinds(plan_buckets(forward, "block", BLOCKS)) == [("all_gather", n) for n in ["head", *layers, "tail"]]
     # The backward re-gathers every bucket but the embedding's: its backward never reads the weight.
-    backward_plan = plan_buckets(backward, "block")
+    backward_plan = plan_buckets(backward, "block", BLOCKS)
     reversed_layers = layers[::-1]
     assert [n for k, n in kinds(backward_plan) if k == "all_gather"] == ["tail", *reversed_layers]
     assert [n for k, n in kinds(backward_plan) if k == "reduce_scatter"] == ["tail", *reversed_layers, "head"]
     tail = next(b for b in backward_plan.buckets if b.kind == "reduce_scatter" and b.name == "tail")
     assert tail.owners == ("output", "norm")
+
+
+class BlockDict(nn.Module):
+    """Repeated blocks in an ``nn.ModuleDict`` keyed by strings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({name: TwoLinears() for name in ("first", "second", "third")})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks.values():
+            x = block(x)
+        return x
+
+
+class DecoderStyle(nn.Module):
+    """Hugging Face's layout: ``model.decoder.layers.N``, then an output head outside the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.decoder = nn.Module()
+        self.model.decoder.layers = nn.ModuleList(TwoLinears() for _ in range(3))
+        self.lm_head = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.model.decoder.layers:
+            x = layer(x)
+        return self.lm_head(x)
+
+
+@pytest.mark.parametrize("build, blocks, tail", [
+    (lambda: nn.Sequential(TwoLinears(), TwoLinears(), TwoLinears()), ["0", "1", "2"], []),
+    (BlockDict, ["blocks.first", "blocks.second", "blocks.third"], []),
+    (DecoderStyle, [f"model.decoder.layers.{i}" for i in range(3)], ["tail"]),
+])
+def test_blocks_found_in_any_container_get_one_bucket_each(world, build, blocks, tail):
+    model = build()
+    assert find_blocks(model) == tuple(blocks)
+    _, forward, backward = traced(True, model, (torch.randn(2, 8),))
+    assert kinds(plan_buckets(forward, "block", find_blocks(model))) == [("all_gather", b) for b in blocks + tail]
+    backward_plan = plan_buckets(backward, "block", find_blocks(model))
+    assert [n for k, n in kinds(backward_plan) if k == "reduce_scatter"] == tail + blocks[::-1]
+    assert f"{len(blocks)} block(s) {blocks[0]} .. {blocks[-1]}" in str(backward_plan)
+
+
+def test_replicate_all_reduces_go_in_byte_sized_buckets_one_in_flight_behind_compute(world):
+    graphs, _, backward = traced(False, mode="replicate")
+    all_reduces = [n.collective.bytes for n in backward.collectives() if n.collective.kind == "all_reduce"]
+    budget = sum(all_reduces) // 2  # buckets of at most a quarter of the gradients' bytes
+    passes = OverlapPasses("block", memory_budget=budget, blocks=BLOCKS)
+    stages = {stage.name: stage for stage in passes.stages(graphs.backward, "backward")}
+    buckets = stages["bucketed"].plan.buckets
+    assert len(buckets) >= 4 and all(b.kind == "all_reduce" for b in buckets)
+    sizes = [sum(backward.node(name).collective.bytes for name in b.collectives) for b in buckets]
+    assert all(size <= budget // 2 or len(b.collectives) == 1 for size, b in zip(sizes, buckets)), sizes
+    assert sum(len(b.collectives) for b in buckets) == len(all_reduces)
+
+    def overlap(schedule) -> tuple[int, list[int]]:
+        """The most all-reduces in flight at once, and the compute nodes run while each one is in flight."""
+        in_flight, most, computes = {}, 0, []
+        for node in schedule.nodes:
+            if node.kind == "collective":
+                in_flight[node.name] = 0
+            elif node.kind == "wait":
+                computes.append(in_flight.pop(node.waits_for))
+            real = node.kind == "compute" and node.alias_of is None
+            in_flight = {name: done + real for name, done in in_flight.items()}
+            most = max(most, len(in_flight))
+        return most, computes
+
+    assert overlap(backward) == (1, [0] * len(all_reduces))  # traced: each wait right after its all-reduce
+    most, computes = overlap(stages["reordered"].schedule)
+    # Each bucket's wait sinks to the next bucket's issue: one in flight, hidden behind the next gradients' compute.
+    assert most == 1 and all(computes[:-1]) and len(computes) == len(buckets), computes
 
 
 def test_manual_and_no_plans(resharded):
@@ -94,8 +173,6 @@ def test_manual_and_no_plans(resharded):
                            ("all_gather", "norm+output")]
     assert len(plan.buckets[1].collectives) == 18
     assert plan_buckets(forward, None).buckets == ()
-    with pytest.raises(ValueError, match="'layers.0.attention.wq' is in 2 buckets"):
-        plan_buckets(forward, [["layers.0"], ["layers.0.attention"]])
 
 
 def test_plan_prints_buckets_and_owners(resharded):
@@ -109,26 +186,27 @@ def test_auto_plan_merges_whole_units_within_the_budget(resharded):
     _, forward, backward = resharded
     h100 = get_profile("h100")
     for schedule in (forward, backward):
-        block = plan_buckets(schedule, "block")
-        modules = group_collectives(schedule, module_names(bucketable(schedule)))
-        auto = plan_auto_buckets(schedule, h100)
+        block = plan_buckets(schedule, "block", BLOCKS)
+        modules = group_collectives(schedule, module_names(bucketable(schedule), BLOCKS))
+        auto = plan_auto_buckets(schedule, h100, blocks=BLOCKS)
         assert sorted(c for b in auto.buckets for c in b.collectives) == sorted(
             c for b in block.buckets for c in b.collectives)
         for bucket in auto.buckets:  # all-gathers merge whole module units, reduce-scatters whole blocks
             units = modules if bucket.kind == "all_gather" else block
             parts = [b for b in units.buckets if b.kind == bucket.kind and b.name in bucket.name.split("+")]
             assert tuple(c for b in parts for c in b.collectives) == bucket.collectives
-        unmerged = plan_auto_buckets(schedule, h100, memory_budget=1)
+        unmerged = plan_auto_buckets(schedule, h100, memory_budget=1, blocks=BLOCKS)
         assert [b for b in kinds(unmerged) if b[0] == "all_gather"] == [
             b for b in kinds(modules) if b[0] == "all_gather"]
         assert [b for b in kinds(unmerged) if b[0] == "reduce_scatter"] == [
             b for b in kinds(block) if b[0] == "reduce_scatter"]
-    first_layer = [name for kind, name in kinds(group_collectives(forward, module_names(bucketable(forward)))) if name.startswith("layers.0.")]
+    units = group_collectives(forward, module_names(bucketable(forward), BLOCKS))
+    first_layer = [name for kind, name in kinds(units) if name.startswith("layers.0.")]
     assert first_layer == ["layers.0.attention_norm", "layers.0.attention", "layers.0.ffn_norm",
                            "layers.0.feed_forward"]
     # With compute much slower than communication and a roomy budget, everything hides behind the embedding.
     slow_compute = dataclasses.replace(h100, flops_per_s={"float32": 1e6}, memory_bandwidth=1e6)
-    merged = plan_auto_buckets(forward, slow_compute, memory_budget=1 << 40)
+    merged = plan_auto_buckets(forward, slow_compute, memory_budget=1 << 40, blocks=BLOCKS)
     assert kinds(merged)[0] == ("all_gather", "tok_embeddings")
     assert len(merged.buckets) == 2
 
@@ -136,7 +214,7 @@ def test_auto_plan_merges_whole_units_within_the_budget(resharded):
 def test_reorder_prefetches_each_bucket_behind_the_previous(resharded):
     graphs, _, _ = resharded
     forward = copy.deepcopy(graphs.forward)
-    OverlapPasses("block", reorder=False)(forward.graph)
+    OverlapPasses("block", reorder=False, blocks=BLOCKS)(forward.graph)
     bucketed = read_schedule(forward, "forward")
     all_gathers = [n.name for n in bucketed.collectives() if n.collective.kind == "all_gather"]
     waits = {n.waits_for: n.name for n in bucketed.nodes if n.kind == "wait"}
@@ -156,7 +234,7 @@ def test_pinned_nodes_keep_their_cost_in_the_schedule(resharded):
     for gm, phase in ((graphs.forward, "forward"), (graphs.backward, "backward")):
         before = read_schedule(gm, phase)
         pinned = copy.deepcopy(gm)
-        OverlapPasses("block", reorder=True)(pinned.graph)
+        OverlapPasses("block", reorder=True, blocks=BLOCKS)(pinned.graph)
         assert any(str(node.target) == "control_deps" for node in pinned.graph.nodes)
         after = read_schedule(pinned, phase)
         assert sum(n.flops for n in after.nodes) == sum(n.flops for n in before.nodes)
@@ -171,7 +249,7 @@ def test_block_buckets_rewrite_the_graphs(resharded, kept, reshard):
     graphs, _, _ = resharded if reshard else kept
     forward, backward = copy.deepcopy(graphs.forward).graph, copy.deepcopy(graphs.backward).graph
     before = collectives(forward, "all_gather"), collectives(backward, "all_gather")
-    passes = OverlapPasses("block", reorder=True)
+    passes = OverlapPasses("block", reorder=True, blocks=BLOCKS)
     passes(forward)
     passes(backward)
     assert collectives(forward, "all_gather") == LAYERS + 2

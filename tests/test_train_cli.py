@@ -23,12 +23,13 @@ FAULT_INJECTION = Path(__file__).parent / "fault_injection"
 TRAIN = ["--model", "debug", "--nproc", "2", "--no-compile", "--grad-accum", "2", "--max-norm", "0.5", "--seq-len", "32"]
 
 
-def train(*options: str, kill: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``simplefsdp train`` as a separate job; ``kill`` is a SIGKILL point (see fault_injection/)."""
-    env = dict(os.environ)
-    if kill:
+def train(*options: str, kill: str | None = None, step_sleep: float = 0, timeout: float = 300
+          ) -> subprocess.CompletedProcess:
+    """Run ``simplefsdp train`` as a separate job; ``kill`` is a SIGKILL point, ``step_sleep`` seconds are added to
+    every optimizer step (see fault_injection/)."""
+    env = dict(os.environ, SIMPLEFSDP_TEST_KILL=kill or "", SIMPLEFSDP_TEST_STEP_SLEEP=str(step_sleep))
+    if kill or step_sleep:
         env["PYTHONPATH"] = os.pathsep.join([str(FAULT_INJECTION), env.get("PYTHONPATH", "")])
-        env["SIMPLEFSDP_TEST_KILL"] = kill
     command = [sys.executable, "-m", "simplefsdp", "train", *TRAIN, *options]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
 

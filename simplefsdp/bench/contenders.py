@@ -75,6 +75,8 @@ CONTENDERS = [
               partial(_simplefsdp, **PASSES_OFF)),
     Contender("simplefsdp-int8", "compile_sharded(quantize=Quantize('int8', 'int8')): int8 gathers, int8 gradients "
               "with error feedback", partial(_simplefsdp, quantize=Quantize("int8", "int8"))),
+    Contender("simplefsdp-replicate", "compile_sharded(mode='replicate'): DDP's layout, bucketed all-reduces",
+              partial(_simplefsdp, mode="replicate")),
     Contender("fsdp2-compile", "fully_shard on each block and the root, each block torch.compile'd",
               partial(_fsdp2, compile_blocks=True)),
     Contender("ddp-compile", "DistributedDataParallel, torch.compile'd (full precision)", _ddp_compiled),

@@ -61,16 +61,13 @@ def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: 
             outputs = compiled(*example_inputs)
     except Exception as error:  # Dynamo raises many types; all mean "does not trace"
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise TraceError(
-            f"could not trace {type(model).__name__} into one graph ({type(error).__name__}: {first_line}); "
-            "make its forward run under torch.compile(model, fullgraph=True) first"
-        ) from error
+        raise TraceError(f"could not trace {type(model).__name__} into one graph ({type(error).__name__}: "
+                         f"{first_line}); make its forward run under torch.compile(model, fullgraph=True) first"
+                         ) from error
     differentiable = [out for out in tree_flatten(outputs)[0] if isinstance(out, torch.Tensor) and out.requires_grad]
     if not differentiable:
-        raise TraceError(
-            f"{type(model).__name__} returned no tensor that requires grad, so there is no backward graph; "
-            "inspect a model with trainable parameters whose output depends on them"
-        )
+        raise TraceError(f"{type(model).__name__} returned no tensor that requires grad, so there is no backward "
+                         "graph; inspect a model with trainable parameters whose output depends on them")
     torch.autograd.backward(differentiable, [torch.ones_like(out) for out in differentiable])
     forward = graphs["forward"]
     return CapturedGraphs(forward, graphs["backward"], _parameter_placeholders(forward, dynamo_inputs))
@@ -142,9 +139,11 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 
 
 def _use_fused_attention(gm: fx.GraphModule) -> None:
-    """Point every attention call of Dynamo's graph at ``_fused_attention``."""
-    attention = [node for node in gm.graph.nodes if node.op == "call_function" and node.target in _SDPA_TARGETS]
-    for node in attention:
-        node.target = _fused_attention
-    if attention:
-        gm.recompile()
+    """Point every attention call of Dynamo's graph and its subgraphs (checkpointed blocks) at ``_fused_attention``."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            attention = [node for node in module.graph.nodes
+                         if node.op == "call_function" and node.target in _SDPA_TARGETS]
+            for node in attention:
+                node.target = _fused_attention
+            module.recompile()

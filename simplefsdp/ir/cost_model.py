@@ -37,6 +37,14 @@ def collective_time(collective: Collective, hardware: HardwareProfile) -> float:
     return collective_seconds(collective.kind, collective.bytes, collective.group_ranks, hardware)
 
 
+def wire_bytes(collective: Collective) -> float:
+    """Bytes one rank sends plus receives for ``collective`` in a ring: ``2 * (n-1)/n * S`` for an all-gather,
+    reduce-scatter or all-to-all of ``S`` bytes (``collective.bytes``, so a uint8 payload counts 1 byte per element)
+    over ``n`` ranks, twice that for an all-reduce (a reduce-scatter, then an all-gather)."""
+    ranks = collective.group_size
+    return (4 if collective.kind == "all_reduce" else 2) * (ranks - 1) / ranks * collective.bytes if ranks > 1 else 0.0
+
+
 def collective_seconds(kind: str, size: float, ranks: tuple[int, ...], hardware: HardwareProfile) -> float:
     """Seconds for a ``kind`` collective whose full buffer is ``size`` bytes over global ``ranks``."""
     if len(ranks) <= 1:

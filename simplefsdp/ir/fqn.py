@@ -10,7 +10,10 @@ from torch import fx
 _ROOT = re.compile(r"""^(?:L|G)\[(['"])[^'"]*\1\]|^(?:self|fn)(?=\.|$)""")
 # Container access written as ._modules['x'], ['x'], [0] or getattr(..., 'x').
 _SUBSCRIPT = re.compile(r"""(?:\._modules)?\[(['"]?)([^'"\]]+)\1\]""")
-_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+# __self__: the module of a bound forward that a partial wraps (L['forward'].__self__.norm: inspect's loss).
+_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "__self__")
+# A block whose forward is a partial of its own bound forward (activation checkpointing).
+_BOUND_FORWARD = re.compile(r"\.forward\.args\.0\.__self__(?=\.|$)")
 
 
 def parse_module_path(path: str) -> str:
@@ -19,7 +22,7 @@ def parse_module_path(path: str) -> str:
     Wrapper names such as ``_orig_mod`` are dropped; the root alone gives ``""``.
     """
     rest = _ROOT.sub("", path.strip())
-    rest = _SUBSCRIPT.sub(lambda match: "." + match.group(2), rest)
+    rest = _BOUND_FORWARD.sub("", _SUBSCRIPT.sub(lambda match: "." + match.group(2), rest))
     parts = [part for part in rest.split(".") if part and part not in _WRAPPERS]
     return ".".join(parts)
 

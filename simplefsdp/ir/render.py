@@ -1,9 +1,8 @@
-"""Renderers of a predicted step: a text summary, an SVG timeline, a Chrome/Perfetto trace."""
+"""Renderers of a predicted step: a text summary, a Chrome/Perfetto trace (``plots.timeline_chart`` draws it)."""
 
 from __future__ import annotations
 
 import json
-from html import escape
 
 from simplefsdp.ir.cost_model import collective_time
 from simplefsdp.ir.hardware import HardwareProfile
@@ -49,13 +48,9 @@ def collective_rows(schedules: list[Schedule], prediction: Prediction, hardware:
     return rows
 
 
-def _bucket_names(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> dict[tuple, str]:
-    return {(row["phase"], row["name"]): row["bucket"] for row in collective_rows(schedules, prediction, hardware)}
-
-
 def span_colours(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> list[str]:
     """The colour of each span of ``prediction``, in order: compute by phase, a collective by its bucket."""
-    buckets = _bucket_names(schedules, prediction, hardware)
+    buckets = {(row["phase"], row["name"]): row["bucket"] for row in collective_rows(schedules, prediction, hardware)}
     return [
         _PHASE_COLOURS[span.phase] if span.stream == "compute"
         else _PALETTE[int(buckets[span.phase, span.name][1:]) % len(_PALETTE)]
@@ -90,52 +85,18 @@ def text_summary(title: str, schedules: list[Schedule], prediction: Prediction, 
     return "\n".join(lines) + "\n"
 
 
-def stage_table(stages: list[tuple[str, list[Schedule], Prediction]]) -> str:
-    """One row per stage (name, its schedules, their prediction): collectives, step, exposed communication, peak."""
+def stage_table(records: list[dict]) -> str:
+    """One row per stage record (``InspectReport.stage_records``): collectives, step, exposed communication, peak."""
     lines = [f"{'stage':10}  {'collectives':>11}  {'predicted step':>14}  {'exposed comm.':>13}  {'peak memory':>11}"]
-    for name, schedules, prediction in stages:
-        collectives = sum(len(schedule.collectives()) for schedule in schedules)
-        lines.append(
-            f"{name:10}  {collectives:>11}  {format_seconds(prediction.step_time):>14}  "
-            f"{format_seconds(prediction.exposed_communication):>13}  {format_bytes(prediction.memory.peak_bytes):>11}"
-        )
+    lines += [f"{record['name']:10}  {record['collectives']:>11}  {format_seconds(record['step_seconds']):>14}  "
+              f"{format_seconds(record['exposed_comm_seconds']):>13}  {format_bytes(record['peak_bytes']):>11}"
+              for record in records]
     return "\n".join(lines) + "\n"
-
-
-def svg_timeline(title: str, schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> str:
-    """Two lanes (compute, communication; collectives coloured by bucket) and the memory curve under them."""
-    width, left, lane, top = 1200, 110, 26, 40
-    scale = (width - left - 20) / max(prediction.step_time, 1e-12)
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="300" font-family="monospace" font-size="12">',
-        f'<text x="10" y="20">{escape(title)} | step {format_seconds(prediction.step_time)}, '
-        f'exposed communication {format_seconds(prediction.exposed_communication)}</text>',
-        f'<text x="10" y="{top + 17}">compute</text>',
-        f'<text x="10" y="{top + lane + 17}">communication</text>',
-    ]
-    for span, colour in zip(prediction.spans, span_colours(schedules, prediction, hardware)):
-        x, span_width = left + span.start * scale, max((span.end - span.start) * scale, 0.5)
-        y = top if span.stream == "compute" else top + lane
-        parts.append(
-            f'<rect x="{x:.2f}" y="{y}" width="{span_width:.2f}" height="{lane - 4}" fill="{colour}">'
-            f'<title>{escape(span.name)} {escape(span.fqn)} {format_seconds(span.end - span.start)}</title></rect>'
-        )
-    memory_top, height, peak = top + 2 * lane + 30, 150, max(prediction.memory.peak_bytes, 1)
-    points = " ".join(f"{left + time * scale:.2f},{memory_top + height - live / peak * height:.2f}"
-                      for time, live in zip(prediction.node_end_times, prediction.memory.curve))
-    parts += [
-        f'<text x="10" y="{memory_top + 12}">memory</text>',
-        f'<text x="10" y="{memory_top + 28}">peak {format_bytes(prediction.memory.peak_bytes)}</text>',
-        f'<line x1="{left}" y1="{memory_top + height}" x2="{width - 20}" y2="{memory_top + height}" stroke="#999"/>',
-        f'<polyline fill="none" stroke="#444" stroke-width="1.5" points="{points}"/>',
-        "</svg>",
-    ]
-    return "\n".join(parts) + "\n"
 
 
 def chrome_trace(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> str:
     """Chrome / Perfetto trace JSON: thread 0 compute, thread 1 communication, a memory counter."""
-    buckets = _bucket_names(schedules, prediction, hardware)
+    buckets = {(row["phase"], row["name"]): row["bucket"] for row in collective_rows(schedules, prediction, hardware)}
     events = [
         {"ph": "M", "pid": 0, "tid": 0, "name": "thread_name", "args": {"name": "compute"}},
         {"ph": "M", "pid": 0, "tid": 1, "name": "thread_name", "args": {"name": "communication"}},

@@ -201,11 +201,16 @@ def _aliased_input(call: _Call) -> str | None:
 
 
 def _flops(fx_node: fx.Node, call: _Call) -> int:
+    """FLOPs by PyTorch's formula; halved for causal attention, whose kernels skip the masked half (the formula
+    counts the full square)."""
     formula = flop_registry.get(getattr(call.target, "overloadpacket", None))
     if formula is None:
         return 0
     args, kwargs = tree_map(lambda arg: arg.meta["val"] if isinstance(arg, fx.Node) else arg, (call.args, call.kwargs))
-    return _as_size(formula(*args, **kwargs, out_val=fx_node.meta["val"]))
+    flops = _as_size(formula(*args, **kwargs, out_val=fx_node.meta["val"]))
+    names = [argument.name for argument in call.target._schema.arguments]
+    causal = "is_causal" in names and dict(zip(names, args), **kwargs).get("is_causal", False)
+    return flops // 2 if causal else flops
 
 
 def _read_collective(fx_node: fx.Node, call: _Call) -> Collective:

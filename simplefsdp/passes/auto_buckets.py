@@ -1,12 +1,12 @@
 """``buckets="auto"``: buckets merged from small units where the cost model says merging is free.
 
 1. Cut the collectives into units. All-gathers: one per child module of a repeated block (``layers.3.attention``) and
-   per top-level module outside the blocks (``tok_embeddings``). Reduce-scatters: one per block plus head and tail
-   (the ``"block"`` plan). Each unit has its full buffer bytes and the roofline compute time of its modules' nodes.
+   per top-level module outside the blocks (``tok_embeddings``). Reduce-scatters and all-reduces: one per block plus
+   head and tail (the ``"block"`` plan's units). Each unit has its full buffer bytes and the roofline compute time of its modules' nodes.
 2. Walk the units of each (kind, process group, dtype) in program order and grow the current bucket by the next unit
    while (a) the merged bucket's alpha-beta communication time still fits under the compute it overlaps: for an
-   all-gather the previous bucket's (it is prefetched behind it), for a reduce-scatter the next unit's (it runs behind
-   the next block's backward); and (b) the bytes in flight, ``prefetch + 1`` buckets of the merged size, stay within
+   all-gather the previous bucket's (it is prefetched behind it), for a reduce-scatter or all-reduce the next unit's
+   (it runs behind the next block's backward); and (b) the bytes in flight, ``prefetch + 1`` buckets of the merged size, stay within
    ``memory_budget`` (default: what per-block bucketing holds, the most bytes of any ``prefetch + 1`` blocks in a row).
    Each merge saves one collective's latency. Small all-gather units let a bucket end where the compute that can hide
    the next one ends: the first block's attention is gathered behind the embedding lookup, its feed-forward behind that
@@ -16,14 +16,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from simplefsdp.ir.cost_model import collective_seconds, node_time
 from simplefsdp.ir.hardware import HardwareProfile
 from simplefsdp.ir.schedule import COMPUTE, Schedule, ScheduleNode
-from simplefsdp.passes.bucket_plan import (Bucket, BucketPlan, block_names, block_of, bucketable, group_collectives,
-                                           plan_buckets)
+from simplefsdp.passes.bucket_plan import (BUCKETED_KINDS, Bucket, BucketPlan, block_names, block_of, bucketable,
+                                           group_collectives)
 
 
 @dataclass
@@ -34,18 +35,19 @@ class _Unit:
 
 
 def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budget: int | None = None,
-                      prefetch: int = 1, compute_dtype: torch.dtype | None = None) -> BucketPlan:
+                      prefetch: int = 1, compute_dtype: torch.dtype | None = None,
+                      blocks: Sequence[str] = ()) -> BucketPlan:
     """Buckets for ``schedule`` by the module docstring's algorithm; ``compute_dtype`` (default: the dtype parameters
     are gathered in) sets the matmul rate."""
     gathered = [node.collective.dtype for node in schedule.collectives() if node.collective.kind == "all_gather"]
     compute_dtype = compute_dtype or (gathered[0] if gathered else None)
     computes = [node for node in schedule.nodes if node.kind == COMPUTE]
-    blocks = _streams(schedule, plan_buckets(schedule, "block"), block_names(schedule, computes), hardware,
-                      compute_dtype)
-    modules = _streams(schedule, group_collectives(schedule, module_names(bucketable(schedule))),
-                       module_names(computes), hardware, compute_dtype)
+    by_block = group_collectives(schedule, block_names(schedule, bucketable(schedule, BUCKETED_KINDS), blocks))
+    streams = _streams(schedule, by_block, block_names(schedule, computes, blocks), hardware, compute_dtype)
+    modules = _streams(schedule, group_collectives(schedule, module_names(bucketable(schedule), blocks)),
+                       module_names(computes, blocks), hardware, compute_dtype)
     merged = []
-    for (kind, group_name, dtype), units in blocks.items():
+    for (kind, group_name, dtype), units in streams.items():
         ranks = schedule.node(units[0].bucket.collectives[0]).collective.group_ranks
         budget = memory_budget if memory_budget is not None else _default_budget(units, prefetch)
         if kind == "all_gather":
@@ -53,14 +55,14 @@ def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budg
         merged += _merge(units, kind, ranks, hardware, budget, prefetch)
     position = {node.name: index for index, node in enumerate(schedule.nodes)}
     merged.sort(key=lambda bucket: position[bucket.collectives[0]])
-    return BucketPlan(schedule.phase, tuple(merged))
+    return BucketPlan(schedule.phase, tuple(merged), tuple(blocks))
 
 
-def module_names(nodes: list[ScheduleNode]) -> dict[str, str]:
+def module_names(nodes: list[ScheduleNode], blocks: Sequence[str]) -> dict[str, str]:
     """Node name → its all-gather unit: the child of its block (``layers.3.attention``), or its top-level module."""
     names = {}
     for node in nodes:
-        block = block_of(node.fqn)
+        block = block_of(node.fqn, blocks)
         rest = node.fqn[len(block) + 1:] if block else node.fqn
         child = rest.split(".")[0]
         names[node.name] = f"{block}.{child}" if block and child else (block or child)
@@ -100,10 +102,8 @@ def _merge(units: list[_Unit], kind: str, ranks: tuple[int, ...], hardware: Hard
 
 
 def _join(buckets: list[Bucket]) -> Bucket:
-    return Bucket(
-        "+".join(b.name for b in buckets), buckets[0].kind,
-        tuple(name for b in buckets for name in b.collectives), tuple(fqn for b in buckets for fqn in b.owners),
-    )
+    return Bucket("+".join(b.name for b in buckets), buckets[0].kind, tuple(n for b in buckets for n in b.collectives),
+                  tuple(fqn for b in buckets for fqn in b.owners))
 
 
 def _default_budget(units: list[_Unit], prefetch: int) -> float:

@@ -1,8 +1,8 @@
 """Bucket apply: rewrite an FX graph so each planned bucket becomes one collective on a flat buffer.
 
-An all-gather bucket gathers where its first all-gather was, a reduce-scatter bucket scatters after its last one
-(when all its gradients exist). Every element is reduced with the same peers in the same order: numerics are bitwise
-unchanged.
+An all-gather bucket gathers where its first all-gather was, a reduce-scatter or all-reduce bucket reduces after its
+last one (when all its gradients exist). Every element is reduced with the same peers in the same order: numerics are
+bitwise unchanged.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 from torch import fx
 
 from simplefsdp.passes.bucket_plan import BucketPlan
-from simplefsdp.passes.inductor_internals import merge_all_gathers, merge_reduce_scatters, topological_sort
+from simplefsdp.passes.inductor_internals import (merge_all_gathers, merge_all_reduces, merge_reduce_scatters,
+                                                   topological_sort)
 
 
 def apply_buckets(graph: fx.Graph, plan: BucketPlan) -> None:
@@ -20,8 +21,6 @@ def apply_buckets(graph: fx.Graph, plan: BucketPlan) -> None:
         if len(bucket.collectives) < 2:
             continue
         nodes = [by_name[name] for name in bucket.collectives]
-        if bucket.kind == "all_gather":
-            merge_all_gathers(graph, nodes)
-        else:
-            merge_reduce_scatters(graph, nodes)
+        {"all_gather": merge_all_gathers, "reduce_scatter": merge_reduce_scatters,
+         "all_reduce": merge_all_reduces}[bucket.kind](graph, nodes)
     topological_sort(graph)

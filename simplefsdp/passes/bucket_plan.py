@@ -1,24 +1,27 @@
 """Bucket planning: which collectives of one graph (a ``Schedule``) are merged into one, as plain data.
 
 A bucket never mixes collective kinds, process groups or dtypes (such collectives form separate buckets of one name).
-Modes: ``None``; ``"block"``, one bucket per repeated block (an FQN prefix ending in a list index, ``layers.0``) plus
-a ``head`` (before the blocks in the forward: the embedding) and a ``tail`` (after them; first in the backward); a
+Modes: ``None``; ``"block"``, one bucket per repeated block (``find_blocks``: ``layers.0``, ``0``, ``h.0``) plus a
+``head`` (before the blocks in the forward: the embedding) and a ``tail`` (after them; first in the backward); a
 manual plan, lists of module FQN prefixes, bucket ``i`` taking every collective under list ``i`` and the rest staying
-unbucketed; ``"auto"``, see ``simplefsdp.passes.auto_buckets``.
+unbucketed; ``"auto"``, see ``simplefsdp.passes.auto_buckets``. With ``"block"``, all-reduces (``replicate``,
+``hybrid_shard``'s replicas) are bucketed by bytes as DDP does: in backward order, up to half the memory budget
+(two buckets in flight, ``reorder``), by default 25 MiB (the first: 1 MiB).
 """
 
 from __future__ import annotations
 
-import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence, Union
 
+from torch import nn
+
 from simplefsdp.ir.schedule import Schedule, ScheduleNode
 
-BUCKETED_KINDS = ("all_gather", "reduce_scatter")
+BUCKETED_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 BucketMode = Union[None, str, Sequence[Sequence[str]]]
-
-_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+ALL_REDUCE_BUCKET_BYTES = 25 * 2**20, 2**20  # DDP's bucket_cap_mb, and its first bucket's, which starts sooner
 
 
 @dataclass(frozen=True)
@@ -33,73 +36,102 @@ class Bucket:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """The buckets of one graph (``phase`` is ``"forward"`` or ``"backward"``), in program order."""
+    """The buckets of one graph (``phase`` is ``"forward"`` or ``"backward"``), in program order, and the repeated
+    blocks they were planned from."""
 
     phase: str
     buckets: tuple[Bucket, ...]
+    blocks: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        lines = [f"{self.phase}: {len(self.buckets)} bucket(s)"]
+        found = f", {len(self.blocks)} block(s) {self.blocks[0]} .. {self.blocks[-1]}" if self.blocks else ""
+        lines = [f"{self.phase}: {len(self.buckets)} bucket(s){found}"]
         for bucket in self.buckets:
             owners = ", ".join(dict.fromkeys(bucket.owners))
             lines.append(f"  {bucket.kind} {bucket.name}: {len(bucket.collectives)} collective(s) [{owners}]")
         return "\n".join(lines)
 
 
-def plan_buckets(schedule: Schedule, mode: BucketMode) -> BucketPlan:
-    """Group ``schedule``'s all-gathers and reduce-scatters into buckets by ``mode`` (``"auto"`` excluded)."""
+def find_blocks(model: nn.Module) -> tuple[str, ...]:
+    """FQNs of the repeated blocks of ``model``: children of an ``nn.Sequential``, ``nn.ModuleList`` or
+    ``nn.ModuleDict`` at any depth (the outermost) with the class and parameter shapes of a sibling."""
+    blocks: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) and block_of(name, blocks) is None:
+            children = {f"{name}.{key}".lstrip("."): (type(child), tuple(p.shape for p in child.parameters()))
+                        for key, child in module.named_children()
+                        if not isinstance(child, (nn.ModuleList, nn.ModuleDict))}  # a block runs a forward
+            counts = Counter(children.values())
+            blocks += [fqn for fqn, signature in children.items() if signature[1] and counts[signature] > 1]
+    return tuple(blocks)
+
+
+def plan_buckets(schedule: Schedule, mode: BucketMode, blocks: Sequence[str] = (),
+                 memory_budget: int | None = None) -> BucketPlan:
+    """Group ``schedule``'s collectives into buckets by ``mode`` (``"auto"`` excluded), ``blocks`` for ``"block"``."""
     if mode is None:
         return BucketPlan(schedule.phase, ())
     if mode == "block":
-        names = block_names(schedule, bucketable(schedule))
+        names = {**all_reduce_names(schedule, memory_budget),
+                 **block_names(schedule, bucketable(schedule), blocks)}
     elif isinstance(mode, str):
         raise ValueError(f"plan_buckets takes None, 'block' or a manual plan, got {mode!r}")
     else:
-        names = _manual_names(schedule, mode)
-    return group_collectives(schedule, names)
+        names, blocks = _manual_names(schedule, mode), ()
+    return group_collectives(schedule, names, blocks)
 
 
-def bucketable(schedule: Schedule) -> list[ScheduleNode]:
-    """The collectives a plan may bucket: all-gathers and reduce-scatters, program order."""
-    return [node for node in schedule.collectives() if node.collective.kind in BUCKETED_KINDS]
+def bucketable(schedule: Schedule, kinds: tuple[str, ...] = ("all_gather", "reduce_scatter")) -> list[ScheduleNode]:
+    """The collectives of ``kinds`` (default: all-gathers and reduce-scatters), program order."""
+    return [node for node in schedule.collectives() if node.collective.kind in kinds]
 
 
-def group_collectives(schedule: Schedule, names: dict[str, str]) -> BucketPlan:
+def all_reduce_names(schedule: Schedule, memory_budget: int | None) -> dict[str, str]:
+    """All-reduce node name → its bucket (``all_reduce.N``): consecutive all-reduces, at most the cap's bytes."""
+    cap, first_cap = (memory_budget // 2,) * 2 if memory_budget else ALL_REDUCE_BUCKET_BYTES
+    names, index, size = {}, 0, 0
+    for node in bucketable(schedule, ("all_reduce",)):
+        if size and size + node.collective.bytes > (cap if index else first_cap):
+            index, size = index + 1, 0
+        size += node.collective.bytes
+        names[node.name] = f"all_reduce.{index}"
+    return names
+
+
+def group_collectives(schedule: Schedule, names: dict[str, str], blocks: Sequence[str] = ()) -> BucketPlan:
     """Buckets from a collective-name → bucket-name map, split by kind, process group and dtype."""
     groups: dict[tuple, list[ScheduleNode]] = {}
-    for node in bucketable(schedule):
+    for node in bucketable(schedule, BUCKETED_KINDS):
         if node.name in names:
             collective = node.collective
             key = (names[node.name], collective.kind, collective.group_name, collective.dtype)
             groups.setdefault(key, []).append(node)
     return BucketPlan(schedule.phase, tuple(
         Bucket(name, kind, tuple(n.name for n in nodes), tuple(n.fqn for n in nodes))
-        for (name, kind, _, _), nodes in groups.items()))
+        for (name, kind, _, _), nodes in groups.items()), tuple(blocks))
 
 
-def block_of(fqn: str) -> str | None:
-    """The repeated block ``fqn`` lies in (``layers.3.attention.wq`` → ``layers.3``), or None."""
-    return match.group(1) if (match := _BLOCK.match(fqn)) else None
+def block_of(fqn: str, blocks: Sequence[str]) -> str | None:
+    """The block of ``blocks`` that ``fqn`` lies in (``layers.3.attention.wq`` → ``layers.3``), or None."""
+    return next((block for block in blocks if covers(block, fqn)), None)
 
 
-def block_names(schedule: Schedule, nodes: list[ScheduleNode]) -> dict[str, str]:
+def block_names(schedule: Schedule, nodes: list[ScheduleNode], blocks: Sequence[str]) -> dict[str, str]:
     """Node name → its block, or ``head`` / ``tail`` for nodes before / after the blocks in the forward."""
     before, after = ("head", "tail") if schedule.phase == "forward" else ("tail", "head")
     names, seen_block = {}, False
     for node in nodes:
-        block = block_of(node.fqn)
+        block = block_of(node.fqn, blocks)
         seen_block = seen_block or block is not None
         names[node.name] = block or (after if seen_block else before)
     return names
 
 
 def _manual_names(schedule: Schedule, plan: Sequence[Sequence[str]]) -> dict[str, str]:
+    """Node name → its bucket of ``plan`` (checked by ``options.check_manual_plan``: a module in one bucket only)."""
     names = {}
-    for node in bucketable(schedule):
+    for node in bucketable(schedule, BUCKETED_KINDS):
         matches = [prefixes for prefixes in plan if any(covers(prefix, node.fqn) for prefix in prefixes)]
-        if len(matches) > 1:
-            raise ValueError(f"module {node.fqn!r} is in {len(matches)} buckets of the manual plan ({matches}); "
-                             "name each module in one bucket only")
         if matches:
             names[node.name] = "+".join(matches[0])
     return names

@@ -3,15 +3,16 @@
 Inductor's FX bucketing replaces a list of collectives by one on a flat buffer: ``process_collective_bucket`` traces
 our ``bucket_copies.all_gather_bucket`` in place of all-gathers (folding a cast just before each into the copy-in),
 ``merge_reduce_scatter_bucket`` (``custom_ops`` mode) copies gradients in with one opaque op and out as views. Padding
-for uneven shards stays outside the merged region. ``preserve_node_ordering`` adds dependencies Inductor's scheduler
-must respect.
+for uneven shards stays outside the merged region. ``merge_all_reduce_bucket`` all-reduces gradients concatenated.
+``preserve_node_ordering`` adds dependencies Inductor's scheduler must respect.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 from torch import fx
-from torch._inductor.fx_passes.bucketing import merge_reduce_scatter_bucket, process_collective_bucket
+from torch._inductor.fx_passes.bucketing import (merge_all_reduce_bucket, merge_reduce_scatter_bucket,
+                                                 process_collective_bucket)
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -35,6 +36,11 @@ def merge_all_gathers(graph: fx.Graph, all_gathers: list[fx.Node]) -> None:
 def merge_reduce_scatters(graph: fx.Graph, reduce_scatters: list[fx.Node]) -> None:
     """Replace ``reduce_scatters`` (each with one wait) by one reduce-scatter placed after the last one."""
     merge_reduce_scatter_bucket(graph, reduce_scatters, mode="custom_ops", insert_before=reduce_scatters[-1].next)
+
+
+def merge_all_reduces(graph: fx.Graph, all_reduces: list[fx.Node]) -> None:
+    """Replace ``all_reduces`` (one group and dtype, each with one wait) by one placed after the last one."""
+    merge_all_reduce_bucket(graph, all_reduces, insert_before=all_reduces[-1].next)
 
 
 topological_sort = stable_topological_sort  # each node after its inputs, moving as few nodes as possible

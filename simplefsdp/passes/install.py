@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -35,15 +35,14 @@ class PassStage:
 
 
 class OverlapPasses(CustomGraphPass):
-    """Bucket then reorder one graph, in place; ``plans`` collects each compiled graph's (bucket, reorder) plans."""
+    """Bucket then reorder one graph, in place; ``plans`` collects each compiled graph's (bucket, reorder) plans.
+    ``blocks``: the model's repeated blocks (``bucket_plan.find_blocks``)."""
 
     def __init__(self, buckets: BucketMode = "auto", reorder: bool = True, prefetch: int = 1,
-                 memory_budget: int | None = None, hardware: str | HardwareProfile = "h100") -> None:
-        self.buckets = buckets
-        self.reorder = reorder
-        self.prefetch = prefetch
-        self.memory_budget = memory_budget
-        self.hardware = hardware
+                 memory_budget: int | None = None, hardware: str | HardwareProfile = "h100",
+                 blocks: Sequence[str] = ()) -> None:
+        self.buckets, self.reorder, self.prefetch = buckets, reorder, prefetch
+        self.memory_budget, self.hardware, self.blocks = memory_budget, hardware, tuple(blocks)
         self.plans: list[tuple[BucketPlan | None, ReorderPlan | None]] = []
 
     def __call__(self, graph: fx.Graph) -> None:
@@ -68,11 +67,12 @@ class OverlapPasses(CustomGraphPass):
 
     def plan_buckets(self, schedule: Schedule) -> BucketPlan:
         if self.buckets == "auto":
-            return plan_auto_buckets(schedule, get_profile(self.hardware), self.memory_budget, self.prefetch)
-        return plan_buckets(schedule, self.buckets)
+            return plan_auto_buckets(schedule, get_profile(self.hardware), self.memory_budget, self.prefetch,
+                                     blocks=self.blocks)
+        return plan_buckets(schedule, self.buckets, self.blocks, self.memory_budget)
 
     def uuid(self) -> bytes:
-        options = (self.buckets, self.reorder, self.prefetch, self.memory_budget, self.hardware)
+        options = (self.buckets, self.reorder, self.prefetch, self.memory_budget, self.hardware, self.blocks)
         digest = hashlib.sha256(repr(options).encode())
         for path in _SOURCES:
             digest.update(path.read_bytes())

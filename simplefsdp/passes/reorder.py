@@ -6,8 +6,8 @@ bucket, or per parameter when unbucketed). All-gather ``i + prefetch`` is issued
 compute (in the backward the output layer's re-gather then hides behind its weight-gradient matmul, which does not
 need it). In the backward the re-gathers already run in reverse block order, so the same rule prefetches them in
 reverse. Reduce-scatters stay where the bucketing put them (as soon as their gradients exist). Every wait, with its
-copy-out views, sinks to just before its first real user; a reduce-scatter's wait sinks no further than the next
-reduce-scatter, so at most two gradient buffers are in flight.
+copy-out views, sinks to just before its first real user; a reduce-scatter's (all-reduce's) wait sinks no further
+than the next reduce-scatter (all-reduce), so at most two gradient buffers of each are in flight.
 
 Apply moves the nodes in the FX graph and pins the order (each bucket's first compute node depends on the all-gathers
 prefetched before it, each sunk wait on the node before it), so Inductor's scheduler keeps it.
@@ -63,9 +63,7 @@ class ReorderPlan:
 
 
 def plan_reorder(schedule: Schedule, prefetch: int = 1) -> ReorderPlan:
-    """Prefetch all-gathers ``prefetch`` buckets ahead and sink every wait (see the module docstring)."""
-    if prefetch < 0:
-        raise ValueError(f"prefetch must be 0 or more buckets, got {prefetch}")
+    """Prefetch all-gathers ``prefetch`` (0 or more) buckets ahead and sink every wait (see the module docstring)."""
     position = {node.name: index for index, node in enumerate(schedule.nodes)}
     waits = {node.waits_for: node for node in schedule.nodes if node.kind == WAIT}
     collectives = [node for node in schedule.collectives() if node.name in waits]
@@ -99,9 +97,10 @@ def _sink(schedule: Schedule, wait: ScheduleNode, collectives: list[ScheduleNode
         else:
             users.append(node)
     limit = position[users[0].name] if users else len(schedule.nodes) - 1
-    if schedule.node(wait.waits_for).collective.kind == "reduce_scatter":
+    kind = schedule.node(wait.waits_for).collective.kind
+    if kind != "all_gather":
         later = [position[c.name] for c in collectives
-                 if c.collective.kind == "reduce_scatter" and position[c.name] > position[wait.name]]
+                 if c.collective.kind == kind and position[c.name] > position[wait.name]]
         limit = min([limit, *later])
     return Sink(tuple(sorted(chain, key=position.__getitem__)), schedule.nodes[limit].name)
 

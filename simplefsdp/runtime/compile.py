@@ -44,7 +44,9 @@ def key_meshes_by_value() -> None:
     """Make Inductor's FX graph cache key a ``DeviceMesh`` graph input by its value (idempotent).
 
     PyTorch 2.13 keys it by ``_hash``, a string hash that differs in every process (``PYTHONHASHSEED``), so no second
-    process would hit the cache; ``_stable_hash`` (AOTAutograd's key) covers ranks, layout, device and dim names.
+    process would hit the cache; ``_stable_hash`` (AOTAutograd's key) covers ranks, layout, device and dim names, and
+    the names of this rank's process groups (baked into the graph's collectives) tell apart ranks of a 2-D mesh
+    that sit in different groups.
     """
     FxGraphCachePickler._reduce_fake_script_object = _reduce_mesh_by_value
 
@@ -53,8 +55,9 @@ _reduce_by_pickling = FxGraphCachePickler._reduce_fake_script_object
 
 
 def _reduce_mesh_by_value(pickler: FxGraphCachePickler, fake: Any) -> tuple:
-    if isinstance(fake.real_obj, DeviceMesh):
-        return str, (f"DeviceMesh {fake.real_obj._stable_hash()}",)
+    if isinstance(mesh := fake.real_obj, DeviceMesh):
+        groups = [mesh.get_group(dim).group_name for dim in range(mesh.ndim)]
+        return str, (f"DeviceMesh {mesh._stable_hash()} groups {groups}",)
     return _reduce_by_pickling(pickler, fake)
 
 

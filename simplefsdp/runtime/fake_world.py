@@ -14,10 +14,8 @@ def fake_world(world_size: int) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the only way to start "fake"
 
     if dist.is_initialized():
-        raise RuntimeError(
-            "a process group is already running in this process; inspect with world_size traces on its own "
-            "fake group, so call it before init_process_group (or from `python -m simplefsdp inspect`)"
-        )
+        raise RuntimeError("a process group is already running in this process; inspect with world_size traces on "
+                           "its own fake group, so call it before init_process_group (or from `simplefsdp inspect`)")
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         yield

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
+import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 
 def is_launched_rank() -> bool:
@@ -13,15 +17,16 @@ def is_launched_rank() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def launch_local_ranks(nproc: int, module_argv: list[str]) -> int:
-    """Run ``python -m simplefsdp <module_argv>`` on ``nproc`` local ranks like ``torchrun --standalone``; exit code."""
+def launch_local_ranks(nproc: int, module_argv: list[str], max_restarts: int = 0) -> int:
+    """Run ``python -m simplefsdp <module_argv>`` on ``nproc`` local ranks like ``torchrun --standalone``, restarting
+    all of them up to ``max_restarts`` times after a failure; exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.5,
     )
     try:
         elastic_launch(config, sys.executable)("-m", "simplefsdp", *module_argv)
@@ -29,6 +34,33 @@ def launch_local_ranks(nproc: int, module_argv: list[str]) -> int:
         print(f"simplefsdp: {describe_failures(failure.failures)}; the job stopped", file=sys.stderr)
         return 1
     return 0
+
+
+def launch_replica_groups(groups: int, nproc: int, module_argv: list[str], lighthouse: str | None) -> int:
+    """Start torchft's lighthouse (unless ``lighthouse`` names a running one), then ``python -m simplefsdp
+    <module_argv> --replica-group G`` for each of ``groups`` groups of ``nproc`` ranks; the first failing exit
+    code, else 0."""
+    server = None
+    if lighthouse is None:
+        binary = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        lighthouse = f"http://127.0.0.1:{port}"
+        server = subprocess.Popen([binary, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}",
+                                   "--join_timeout_ms", "60000", "--heartbeat_timeout_ms", "2000"],
+                                  env={"RUST_LOG": "warn", **os.environ})
+    threads = str(max(1, (os.cpu_count() or 1) // (groups * nproc)))  # the groups share this machine's cores
+    env = {"RUST_LOG": "warn", "OMP_NUM_THREADS": threads, **os.environ, "TORCHFT_LIGHTHOUSE": lighthouse}
+    jobs = [subprocess.Popen([sys.executable, "-m", "simplefsdp", *module_argv, "--replica-group", str(group)], env=env)
+            for group in range(groups)]
+    try:
+        codes = [job.wait() for job in jobs]
+        return next((code for code in codes if code), 0)
+    finally:
+        for process in (*jobs, *([server] if server else [])):
+            process.terminate()
+            process.wait()
 
 
 def describe_failures(failures: dict) -> str:

@@ -26,7 +26,14 @@ def init_distributed() -> None:
     backend = "nccl" if device_type() == "cuda" else "gloo"
     if device_type() == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The elastic agent keeps its store across restarts: a restarted rank must not read the dead ranks' addresses.
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                    timeout=timeout)
+        store = dist.PrefixStore(f"simplefsdp/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    elif "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -66,9 +66,8 @@ class ReplicateComputation:
             param = DTensor.from_local(shard, param.device_mesh, param.placements, run_check=False,
                                        shape=param.shape, stride=param.stride())
             grad_placements = [Replicate(), Partial("avg")]
-        full = param.redistribute(
-            placements=[Replicate()] * ndim, forward_dtype=self.param_dtype, backward_dtype=self.reduce_dtype
-        )
+        full = param.redistribute(placements=[Replicate()] * ndim, forward_dtype=self.param_dtype,
+                                  backward_dtype=self.reduce_dtype)
         return full.to_local(grad_placements=grad_placements)
 
     def compute_view(self, param: DTensor, accumulator: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:

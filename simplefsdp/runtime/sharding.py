@@ -6,16 +6,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from simplefsdp.runtime.grad_sync import new_accumulator
 from simplefsdp.runtime.quantize import new_error_buffer
 from simplefsdp.runtime.replicate_compute import ReplicateComputation, install_getters
 
 
-def param_placements(mode: str) -> tuple[Placement, ...]:
-    """Where a parameter lives between steps: sharded on dim 0, replicated, or both (hybrid)."""
-    return {"fully_shard": (Shard(0),), "replicate": (Replicate(),), "hybrid_shard": (Replicate(), Shard(0))}[mode]
+# Where a parameter lives between steps, by mode: sharded on dim 0, replicated, or both (hybrid).
+PLACEMENTS = {"fully_shard": (Shard(0),), "replicate": (Replicate(),), "hybrid_shard": (Replicate(), Shard(0))}
 
 
 def check_not_sharded(module: nn.Module) -> None:
@@ -64,7 +63,6 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
 
     Values come from the mesh's first rank. A tied parameter becomes one DTensor shared by the same modules.
     """
-    placements = param_placements(mode)
     sharded: dict[int, tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]] = {}
     for submodule in module.modules():
         accumulators, errors = {}, {}
@@ -72,7 +70,7 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
             if param is None:
                 continue
             if id(param) not in sharded:
-                dtensor = distribute_tensor(param.detach(), mesh, placements)
+                dtensor = distribute_tensor(param.detach(), mesh, PLACEMENTS[mode])
                 new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
                 error = new_error_buffer(param, mesh.size(), replicate.quantize, mesh.device_type)
                 sharded[id(param)] = (new_param, new_accumulator(param, mesh.device_type), error)

@@ -1,23 +1,36 @@
 """Test-only fault injection, active when this folder is on PYTHONPATH of a launched job.
 
-``SIMPLEFSDP_TEST_KILL=<rank>:<point>:<n>`` makes that rank SIGKILL itself on the
-n-th call of the point: ``optimizer-step`` (``torch.optim.AdamW.step``) or
-``checkpoint-write`` (DCP's ``FileSystemWriter.write_data``, mid-save).
+``SIMPLEFSDP_TEST_KILL=<rank>:<point>:<n>[:<group>]`` makes that rank (of replica group ``<group>``, when given)
+SIGKILL itself on the n-th call of the point, in the job's first run only (not after an elastic restart):
+``optimizer-step`` (``torch.optim.AdamW.step``), ``checkpoint-write`` (DCP's ``FileSystemWriter.write_data``,
+mid-save) or ``cross-replica`` (torchft's ``Manager.allreduce``: the other groups' all-reduce
+is under way).
+``SIMPLEFSDP_TEST_STEP_SLEEP=<seconds>`` makes every optimizer step that long, so that a short run outlasts a restart.
 """
 
 import os
 import signal
+import time
+from pathlib import Path
 
-_spec = os.environ.get("SIMPLEFSDP_TEST_KILL", "")
-if _spec and os.environ.get("RANK") == _spec.split(":")[0]:
-    import torch.distributed.checkpoint as dcp
-    import torch.optim
+if _sleep := float(os.environ.get("SIMPLEFSDP_TEST_STEP_SLEEP", "0")):
+    from torch.optim import AdamW as _AdamW
 
-    _, _point, _nth = _spec.split(":")
-    _owner, _name = {
-        "optimizer-step": (torch.optim.AdamW, "step"),
-        "checkpoint-write": (dcp.FileSystemWriter, "write_data"),
-    }[_point]
+    _step = _AdamW.step
+    _AdamW.step = lambda *args, **kwargs: (time.sleep(_sleep), _step(*args, **kwargs))[1]
+
+_spec = os.environ.get("SIMPLEFSDP_TEST_KILL", "").split(":")
+_command = Path("/proc/self/cmdline").read_bytes().split(b"\0")
+if (len(_spec) > 2 and os.environ.get("RANK") == _spec[0] and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        and (len(_spec) == 3 or [b"--replica-group", _spec[3].encode()] in [_command[i:i + 2] for i in range(len(_command))])):
+    _, _point, _nth = _spec[:3]
+    if _point == "cross-replica":
+        from torchft.manager import Manager as _owner
+    elif _point == "optimizer-step":
+        from torch.optim import AdamW as _owner
+    else:
+        from torch.distributed.checkpoint import FileSystemWriter as _owner
+    _name = {"optimizer-step": "step", "checkpoint-write": "write_data", "cross-replica": "allreduce"}[_point]
     _original = getattr(_owner, _name)
     _calls = 0
 

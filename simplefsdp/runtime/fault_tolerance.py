@@ -1,0 +1,138 @@
+"""Fault-tolerant replica groups on torchft (the ``ft`` extra).
+
+Each replica group trains ``fully_shard`` in its own ``torchrun`` world. After backward, the reduce-scattered
+gradient shards are averaged over the groups taking part in this step (one all-reduce through torchft's
+``Manager``), and the optimizer steps only when the step commits. A restarted group copies parameters, optimizer
+state, step and RNG from a live group, then rejoins.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import zlib
+from collections.abc import Iterator
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+INSTALL = "install it with: pip install 'simplefsdp[ft]' (torchft 0.2.0)"
+
+
+def check_lighthouse(address: str, wait_seconds: float = 10.0) -> None:
+    """Raise ``ConnectionError`` naming ``address`` unless the lighthouse accepts a connection within the wait."""
+    url = urlparse(address if "://" in address else f"http://{address}")
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            socket.create_connection((url.hostname, url.port), timeout=wait_seconds).close()
+            return
+        except OSError as error:
+            if time.monotonic() > deadline:
+                raise ConnectionError(
+                    f"cannot reach the torchft lighthouse at {address} ({error}); start one with "
+                    f"`torchft_lighthouse --min_replicas 1 --bind {url.hostname}:{url.port}`, or pass the address "
+                    "of the running one (--lighthouse or TORCHFT_LIGHTHOUSE)") from None
+            time.sleep(0.2)
+
+
+def _local(value):
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+class ReplicaGroup:
+    """This rank's view of the replica groups: the step's quorum, cross-replica averaging, commit, healing."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: int, groups: int, lighthouse: str,
+                 timeout: timedelta = timedelta(seconds=20)) -> None:
+        try:
+            from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        except ImportError:
+            raise SystemExit(f"--fault-tolerant needs torchft; {INSTALL}") from None
+        check_lighthouse(lighthouse)
+        if not torch.cuda.is_available():  # its one warning on CPU is about NCCL's flight recorder
+            logging.getLogger("torchft.manager").setLevel(logging.ERROR)
+        self.model, self.optimizer, self.groups = model, optimizer, groups
+        process_group = (ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo)(timeout=timeout)
+        # The Manager finds its group's rank 0 through a store: a new one per start, never a dead rank's address.
+        host = os.environ["MASTER_ADDR"]
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if dist.get_rank() == 0 else None
+        port = [self.store.port if self.store else None]
+        dist.broadcast_object_list(port, src=0)
+        self.manager = Manager(
+            pg=process_group, min_replica_size=1, load_state_dict=self.load_state_dict, state_dict=self.state_dict,
+            replica_id=f"group{group}", lighthouse_addr=lighthouse, use_async_quorum=False, init_sync=False,
+            timeout=timeout, quorum_timeout=timedelta(minutes=5), connect_timeout=timeout, store_addr=host,
+            store_port=port[0], rank=dist.get_rank(), world_size=dist.get_world_size(),
+        )
+
+    def steps(self, start: int, last: int, join_seconds: float = 60.0) -> Iterator[int]:
+        """The steps to train after ``start`` up to ``last``. Each joins its quorum first, healing this group if it is
+        behind; a fresh job waits up to ``join_seconds`` for every group, so it starts with all of them."""
+        if start:
+            self.manager.load_state_dict({"step": start, "batches_committed": 0})
+        deadline = time.monotonic() + join_seconds
+        fresh = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not start
+        while True:
+            self.manager.start_quorum()
+            if fresh and self.manager.current_step() == 0 and self.participants < self.groups \
+                    and time.monotonic() < deadline:
+                self.manager.report_error(RuntimeError("waiting for every replica group to join the first step"))
+                self.manager.should_commit()
+                time.sleep(0.2)
+                continue
+            if self.manager.current_step() >= last:
+                return
+            yield self.manager.current_step() + 1
+
+    @property
+    def participants(self) -> int:
+        """How many replica groups take part in the current step."""
+        return self.manager.num_participants()
+
+    def average_gradients(self) -> None:
+        """Average every gradient shard over the participating groups, in one flat all-reduce."""
+        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        self.manager.allreduce(flat).wait()
+        for grad, averaged in zip(grads, flat.split([grad.numel() for grad in grads])):
+            grad.copy_(averaged.view_as(grad))
+
+    def should_commit(self) -> bool:
+        """True when every participant finished the step; only then may the optimizer step."""
+        return self.manager.should_commit()
+
+    def state_dict(self) -> dict:
+        """What a healing group copies: local parameter and buffer shards, optimizer state, RNG."""
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {index: {key: _local(value) for key, value in state.items()}
+                              for index, state in optimizer["state"].items()}
+        return {"tensors": [_local(t) for t in (*self.model.parameters(), *self.model.buffers())],
+                "optimizer": optimizer, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Copy a live group's state (see ``state_dict``) into this group's model and optimizer."""
+        with torch.no_grad():
+            for tensor, saved in zip((*self.model.parameters(), *self.model.buffers()), state["tensors"]):
+                _local(tensor).copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        for param, param_state in self.optimizer.state.items():  # moments are DTensors like their parameter
+            for key, value in param_state.items():
+                if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() \
+                        and not isinstance(value, DTensor):
+                    param_state[key] = DTensor.from_local(value, param.device_mesh, param.placements,
+                                                          shape=param.shape, stride=param.stride())
+        torch.set_rng_state(state["rng"])
+
+    def checksum(self) -> str:
+        """CRC-32 of this rank's parameter shards: equal across groups when their parameters are bitwise equal."""
+        value = 0
+        for param in self.model.parameters():
+            value = zlib.crc32(_local(param).detach().contiguous().reshape(-1).view(torch.uint8).numpy(), value)
+        return f"{value:08x}"
