@@ -31,6 +31,13 @@ def _choice(table: dict, what: str):
     return parse
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 def contenders_arg(text: str) -> list[str]:
     """Parse ``--only NAME[,NAME]``, rejecting unknown names."""
     names = [name.strip() for name in text.split(",") if name.strip()]
@@ -46,6 +53,8 @@ def _workload(model: str, batch_size: int, seq_len: int | None, dtypes: tuple) -
     """--model, --batch-size, --seq-len, --param-dtype and --reduce-dtype, with one command's defaults."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model", default=model, choices=sorted(CONFIGS), help=f"reference model ({model})")
+    parser.add_argument("--layers", type=_at_least_one, default=None,
+                        help="transformer blocks (default: the named model's count)")
     parser.add_argument("--batch-size", type=int, default=batch_size, help=f"sequences per rank per step ({batch_size})")
     parser.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per sequence ({seq_len or 'the maximum'})")
     for option, default, use in zip(("--param-dtype", "--reduce-dtype"), dtypes, ("gather and compute", "gradient")):
@@ -119,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--world-size", type=int, default=8, help="ranks to shard over (traced in this process)")
     command.add_argument("--dynamic", action="store_true", help="trace batch and sequence sizes as symbols")
     command.add_argument("--hardware", default="h100", help=f"{', '.join(PROFILE_NAMES)}, or a profile JSON path")
+    command.add_argument("--replica-groups", type=int, default=1,
+                         help="price train --fault-tolerant: groups of --world-size ranks averaging after backward")
     command.add_argument("--out", default=None, help="folder for each stage's graphs, plan.txt, summary.txt, "
                          "summary.json, timeline.png (with matplotlib) and trace.json")
     command.set_defaults(run=inspection.run)

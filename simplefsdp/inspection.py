@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import plots
 from simplefsdp.api import compile_sharded
-from simplefsdp.ir.cost_model import wire_bytes
+from simplefsdp.ir.cost_model import collective_seconds, wire_bytes
 from simplefsdp.ir.capture import TraceError, capture_graphs
 from simplefsdp.ir.hardware import HardwareProfile, get_profile
 from simplefsdp.ir.render import chrome_trace, stage_table, text_summary
@@ -70,6 +70,7 @@ class InspectReport:
     stages: list[InspectStage]
     hardware: HardwareProfile
     tokens: int
+    fault_tolerant: dict | None = None  # the cross-replica all-reduce after backward, with ``replica_groups`` > 1
 
     @property
     def final(self) -> InspectStage:
@@ -111,6 +112,10 @@ class InspectReport:
         """The text summary: one row per stage, the plans, then the final graphs' predictions and collectives."""
         table = stage_table(self.stage_records())
         final = text_summary(f"{self.final.name} graphs (what runs)", self.schedules, self.prediction, self.hardware)
+        if ft := self.fault_tolerant:
+            table += (f"fault-tolerant: {ft['replica_groups']} replica groups average {ft['all_reduce_bytes'] / 2**20:.1f}"
+                      f" MiB of gradient shards per rank after backward (torchft, not overlapped): "
+                      f"{ft['all_reduce_seconds'] * 1e3:.3f} ms; step {ft['step_seconds'] * 1e3:.3f} ms\n")
         return f"{self.title}\n{self.symbolic_sizes()}{table}\n{self.plans()}\n{final}"
 
     def symbolic_sizes(self) -> str:
@@ -144,7 +149,8 @@ class InspectReport:
         contents.update({
             "plan.txt": self.plans(),
             "summary.txt": self.summary(),
-            "summary.json": json.dumps({"stages": self.stage_records()}, indent=2) + "\n",
+            "summary.json": json.dumps({"stages": self.stage_records(), "fault_tolerant": self.fault_tolerant},
+                                       indent=2) + "\n",
             "trace.json": chrome_trace(self.schedules, self.prediction, self.hardware),
         })
         for name, text in contents.items():
@@ -174,6 +180,7 @@ def inspect(
     activation_checkpointing: str = "none",
     loss_fn: Callable[..., torch.Tensor] | None = None,
     quantize: Quantize | None = None,
+    replica_groups: int = 1,
 ) -> InspectReport:
     """Trace ``model`` as ``compile_sharded`` shards it on ``world_size`` ranks (default 1), run our passes, predict.
 
@@ -183,6 +190,8 @@ def inspect(
     sizes.
     ``activation_checkpointing`` (``none``, ``selective``, ``full``) checkpoints each of ``model.layers`` as ``train``.
     ``loss_fn(output, *example_inputs)``, when given, is traced after the model, so the step includes its loss.
+    ``replica_groups`` > 1 prices ``train --fault-tolerant``: that many groups of ``world_size`` ranks, whose gradient
+    shards are averaged across groups after backward.
     """
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size
@@ -209,6 +218,7 @@ def inspect(
         # The captured graphs are ours: the passes rewrite them in place, and each stage keeps its schedule.
         forward_stages = list(passes.stages(graphs.forward, "forward", graphs.param_fqns))
         backward_stages = list(passes.stages(graphs.backward, "backward", graphs.param_fqns))
+        grad_bytes = sum(p.to_local().numel() * p.element_size() for p in meta_model.parameters() if p.requires_grad)
     compute_dtype = mp_policy.param_dtype or next(model.parameters(), torch.empty(0)).dtype
     stages = [
         InspectStage(forward.name, forward.schedule, backward.schedule, forward.plan, backward.plan,
@@ -216,7 +226,13 @@ def inspect(
         for forward, backward in zip(forward_stages, backward_stages)
     ]
     title = title or f"{type(model).__name__}, {mode}, world {world_size} (mesh {mesh_shape}), hardware {profile.name}"
-    return InspectReport(title, stages, profile, _tokens(example_inputs))
+    fault_tolerant = None
+    if replica_groups > 1:
+        seconds = collective_seconds("all_reduce", grad_bytes, tuple(range(0, replica_groups * world_size, world_size)),
+                                     profile)
+        fault_tolerant = dict(replica_groups=replica_groups, all_reduce_bytes=grad_bytes, all_reduce_seconds=seconds,
+                              step_seconds=stages[-1].prediction.step_time + seconds)
+    return InspectReport(title, stages, profile, _tokens(example_inputs), fault_tolerant)
 
 
 def _tokens(example_inputs: tuple) -> int:
@@ -268,9 +284,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         raise SystemExit(f"simplefsdp inspect: --batch-size must be at least 1 and --seq-len between 1 and "
                          f"{config.max_seq_len} (the maximum of {args.model})")
     with torch.device("meta"):
-        model = build_model(args.model)
+        model = build_model(args.model, n_layers=args.layers)
     tokens = torch.zeros(args.batch_size, seq_len, dtype=torch.long, device="meta")
-    title = (f"{args.model}, {args.mode}, world {args.world_size}, hardware {args.hardware}, "
+    title = (f"{args.model}{f' (layers={args.layers})' if args.layers else ''}, {args.mode}, world {args.world_size}, hardware {args.hardware}, "
              f"{args.batch_size}x{seq_len} tokens per rank, params {str(args.param_dtype).removeprefix('torch.')}, "
              f"activation checkpointing {args.activation_checkpointing}")
     try:
@@ -280,7 +296,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             reshard_after_forward=args.reshard_after_forward, buckets=args.buckets, reorder=args.reorder,
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
             activation_checkpointing=args.activation_checkpointing, loss_fn=_next_token_loss,
-            quantize=quantize_option(args.quantize_gather, args.quantize_reduce, args.error_feedback))
+            quantize=quantize_option(args.quantize_gather, args.quantize_reduce, args.error_feedback),
+            replica_groups=args.replica_groups)
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None
     print(report.summary(), end="")

@@ -10,11 +10,12 @@ from simplefsdp.ir.schedule import read_schedule
 from simplefsdp.models.llama import build_model
 
 
-def step_flops(model_name: str, batch_size: int, seq_len: int) -> float:
-    """FLOPs of one forward and backward of ``model_name`` on ``batch_size`` x ``seq_len`` tokens, counted on an
-    unsharded meta-device copy (sharding moves no FLOPs), without activation checkpointing's recomputation."""
+def step_flops(model_name: str, layers: int | None, batch_size: int, seq_len: int) -> float:
+    """FLOPs of one forward and backward of ``model_name`` (with ``layers`` blocks, if given) on ``batch_size`` x
+    ``seq_len`` tokens, counted on an unsharded meta-device copy (sharding moves no FLOPs), without activation
+    checkpointing's recomputation."""
     with torch.device("meta"):
-        model = build_model(model_name)
+        model = build_model(model_name, n_layers=layers)
     tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     graphs = capture_graphs(model, (tokens,), fused_attention=False)
     schedules = (read_schedule(graphs.forward, "forward"), read_schedule(graphs.backward, "backward"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import resource
 import statistics
@@ -52,21 +53,27 @@ def check_arguments(args: argparse.Namespace) -> None:
         fail(str(error))
     if args.plot and (reason := plots.missing()):
         fail(f"--plot {args.plot}: {reason}")
-    if args.fault_tolerant:
-        check_fault_tolerant(args)
+    if args.fault_tolerant and (reason := fault_tolerant_problem(args)):
+        fail(reason)
 
 
-def check_fault_tolerant(args: argparse.Namespace) -> None:
-    """Exit with the fix when ``--fault-tolerant`` cannot run: no torchft, a mode other than fully_shard, bad counts."""
-    try:
-        import torchft  # noqa: F401
-    except ImportError:
-        fail(f"--fault-tolerant needs torchft; {INSTALL}")
+def fault_tolerant_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--fault-tolerant`` cannot run as asked (with the fix), or None."""
+    if importlib.util.find_spec("torchft") is None:
+        return f"--fault-tolerant needs torchft; {INSTALL}"
     if args.mode != "fully_shard":
-        fail(f"--fault-tolerant runs fully_shard inside each replica group, across groups it averages like "
-             f"hybrid_shard; drop --mode {args.mode}")
+        return f"--fault-tolerant runs fully_shard inside each replica group; drop --mode {args.mode}"
     if args.replica_groups < 1 or args.max_restarts < 0:
-        fail("--replica-groups must be at least 1 and --max-restarts at least 0")
+        return "--replica-groups must be at least 1 and --max-restarts at least 0"
+    if is_launched_rank() and (args.replica_group is None or args.lighthouse is None):
+        return "--fault-tolerant under torchrun needs --replica-group G and --lighthouse http://HOST:PORT"
+    return None
+
+
+def print_line(message: str, **_) -> None:
+    """Print ``message`` and its newline in one write: lines of replica groups sharing a pipe never interleave."""
+    sys.stdout.write(f"{message}\n")
+    sys.stdout.flush()
 
 
 def fail(message: str) -> None:
@@ -76,9 +83,6 @@ def fail(message: str) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Train on this process when launched by torchrun, else launch ``--nproc`` local ranks."""
     check_arguments(args)
-    if is_launched_rank() and args.fault_tolerant and (args.replica_group is None or args.lighthouse is None):
-        fail("--fault-tolerant under torchrun needs --replica-group G and a lighthouse "
-             "(--lighthouse http://HOST:PORT or TORCHFT_LIGHTHOUSE)")
     if not is_launched_rank():
         if not torch.cuda.is_available():
             cpu_profile()  # measure the CPU for MFU now, while no rank runs, unless its profile is cached
@@ -97,7 +101,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 def build(args: argparse.Namespace) -> torch.nn.Module:
     """The sharded model, initialized from ``--seed`` the same way with or without ``--init-on-meta``."""
     with torch.device("meta" if args.init_on_meta else "cpu"):
-        model = build_model(args.model)
+        model = build_model(args.model, n_layers=args.layers)
     if not args.init_on_meta:
         torch.manual_seed(args.seed)
         model.init_weights()
@@ -132,11 +136,12 @@ def train(args: argparse.Namespace) -> None:
     data_rank, data_world = (args.replica_group * world + rank, args.replica_groups * world) if replicas else (rank, world)
     tokens = load_tokens(args.data, args.seed)
     device = next(model.parameters()).device
-    say = print if rank == 0 else (lambda *_, **__: None)
+    say = print_line if rank == 0 else (lambda *_, **__: None)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    flops_per_step, peak = (step_flops(args.model, args.batch_size, args.seq_len) * args.grad_accum * world,
-                            peak_flops_per_second(device, args.param_dtype or torch.float32)) if rank == 0 else (0, None)
-    say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params) on {world} rank(s), mode {args.mode}, "
+    flops_per_step, peak = (step_flops(args.model, args.layers, args.batch_size, args.seq_len) * args.grad_accum
+                            * world, peak_flops_per_second(device, args.param_dtype or torch.float32)
+                            ) if rank == 0 else (0, None)
+    say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params in {len(model.layers)} layers) on {world} rank(s), mode {args.mode}, "
         f"{args.grad_accum} x {args.batch_size}x{args.seq_len} tokens per rank per step")
 
     start = 0

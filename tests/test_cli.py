@@ -56,6 +56,17 @@ def test_bad_bucket_mode_names_the_choices_in_every_command_that_shards(command,
     assert "unknown bucket mode 'blocks'; choose one of: auto, block, none" in capsys.readouterr().err
 
 
+def test_layers_keeps_the_named_shape_with_fewer_blocks(capsys):
+    assert main(["inspect", "--model", "debug", "--layers", "1", "--world-size", "2"]) == 0
+    summary = capsys.readouterr().out
+    assert summary.startswith("debug (layers=1), fully_shard, world 2")
+    assert "layers.0.feed_forward.w2" in summary and "layers.1." not in summary, summary
+    with pytest.raises(SystemExit) as error:
+        main(["train", "--layers", "0"])
+    assert error.value.code == 2
+    assert "argument --layers: '0' is not a whole number of at least 1" in capsys.readouterr().err
+
+
 PACKAGE = Path(__file__).resolve().parents[1] / "simplefsdp"
 
 

@@ -91,24 +91,48 @@ def test_second_process_hits_the_fx_graph_cache(processes):
 
 
 
-def test_ranks_in_different_groups_of_a_2d_mesh_get_different_cache_keys():
-    """The graph of a hybrid_shard rank holds its own groups' names: a rank of another shard group must not load it."""
-    from types import SimpleNamespace
-
+def _on_fake_rank(rank: int, mesh_shape: tuple[int, int], key_of_mesh) -> object:
+    """``key_of_mesh(mesh)`` on ``rank`` of a fake world with a ``(replicate, shard)`` mesh of ``mesh_shape``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    dist.init_process_group("fake", rank=rank, world_size=mesh_shape[0] * mesh_shape[1], store=FakeStore())
+    try:
+        return key_of_mesh(init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_in_different_groups_of_a_2d_mesh_get_different_cache_keys():
+    """The graph of a hybrid_shard rank holds its own groups' names: a rank of another shard group must not load it."""
+    from types import SimpleNamespace
+
     from simplefsdp.runtime.compile import _reduce_mesh_by_value
 
-    keys, stable = {}, set()
-    for rank in (0, 1, 2):  # mesh (2, 2): ranks 0 and 1 share a shard group, rank 2 is in the other one
-        dist.init_process_group("fake", rank=rank, world_size=4, store=FakeStore())
-        try:
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-            keys[rank] = _reduce_mesh_by_value(None, SimpleNamespace(real_obj=mesh))
-            stable.add(mesh._stable_hash())
-        finally:
-            dist.destroy_process_group()
-    assert len(stable) == 1  # the mesh alone is the same on every rank
-    assert keys[2] != keys[0]
+    # mesh (2, 2): ranks 0 and 1 share a shard group, rank 2 is in the other one
+    keys = {rank: _on_fake_rank(rank, (2, 2), lambda mesh: (mesh._stable_hash(),
+                                                        _reduce_mesh_by_value(None, SimpleNamespace(real_obj=mesh))))
+            for rank in (0, 1, 2)}
+    assert len({stable for stable, _ in keys.values()}) == 1  # the mesh alone is the same on every rank
+    assert keys[2][1] != keys[0][1]
+
+
+def test_ranks_with_uneven_shards_get_different_aotautograd_cache_keys():
+    """A parameter of 3 rows on 2 ranks has shards of 2 and 1 rows: each rank's graph takes its own shard's shape.
+
+    PyTorch's own DTensor key (global shape and placements) is the same on both ranks, so a restarted rank loaded
+    the other rank's graph from a warm cache and failed on "expected size 2==1"."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    from simplefsdp.runtime.compile import _reduce_dtensor_with_local_shard
+
+    def keys(mesh):
+        local = torch.zeros(2 - mesh.get_coordinate()[1], 7)
+        param = DTensor.from_local(local, mesh["shard"], [Shard(0)], shape=torch.Size((3, 7)), stride=(7, 1))
+        return param._stable_hash_for_caching(), _reduce_dtensor_with_local_shard(None, param)
+
+    (torch_rank0, ours_rank0), (torch_rank1, ours_rank1) = (_on_fake_rank(rank, (1, 2), keys) for rank in (0, 1))
+    assert torch_rank0 == torch_rank1
+    assert ours_rank0 != ours_rank1

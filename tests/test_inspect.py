@@ -345,3 +345,15 @@ def test_activation_checkpointing_recomputes_in_backward_as_train_applies_it(ful
     assert "layers.0.attention.wq" in {node.fqn for node in forward.nodes}
     with pytest.raises(ValueError, match="TwoLinears has no layers; pass activation_checkpointing='none'"):
         simplefsdp.inspect(TwoLinears(), (torch.randn(8, 8),), activation_checkpointing="full")
+
+
+def test_replica_groups_price_the_fault_tolerant_all_reduce_of_the_gradient_shards_after_backward():
+    report = inspect_debug("fully_shard", replica_groups=4)
+    ft = report.fault_tolerant
+    # Rank 0 holds the first ceil(rows / 8) rows of each fp32 master parameter: its gradient shard, all-reduced.
+    model = build_model("debug")
+    shard_bytes = sum(min(-(-p.shape[0] // 8), p.shape[0]) * p[0].numel() * 4 for p in model.parameters())
+    assert ft["replica_groups"] == 4 and ft["all_reduce_bytes"] == shard_bytes
+    assert ft["step_seconds"] == report.prediction.step_time + ft["all_reduce_seconds"] > report.prediction.step_time
+    assert "fault-tolerant: 4 replica groups" in report.summary()
+    assert inspect_debug("fully_shard").fault_tolerant is None

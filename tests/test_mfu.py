@@ -20,7 +20,7 @@ def test_step_flops_are_six_params_tokens_plus_attention():
     model = build_model("debug")
     matmul_params = sum(p.numel() for p in model.parameters() if p.ndim == 2) - model.tok_embeddings.weight.numel()
     expected = 6 * matmul_params * batch * seq + 12 * config.n_layers * batch * seq**2 * config.dim
-    assert step_flops("debug", batch, seq) == expected
+    assert step_flops("debug", None, batch, seq) == expected
 
 
 def test_peak_is_the_data_sheet_for_gpus_and_the_measured_rate_for_cpus():

@@ -25,7 +25,7 @@ METHODS = {
                  "steps (interleaved across contenders); warm-up: the warm-up steps' total, compilation included",
     "peak_memory": "CPU: bytes allocated since the contender's copy started being built and not yet freed "
                    "(torch.profiler memory events), maximum over the profiled step and ranks; CUDA: "
-                   "max_memory_allocated",
+                   "max_memory_allocated over that step less the bytes allocated before the copy was built",
     "collectives": "c10d::* operator events (process-group calls, barriers excluded) in the profiled step",
     "comm": "summed duration of the backend's own collective events (e.g. gloo:all_gather) in the profiled step, "
             "and its share of that step (the profiler slows the step)",
@@ -37,7 +37,7 @@ METHODS = {
 def build(contender: Contender, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model built from ``--seed`` and wrapped by ``contender``, with its optimizer."""
     torch.manual_seed(args.seed)
-    model = contender.wrap(build_model(args.model).to(device_type()), args)
+    model = contender.wrap(build_model(args.model, n_layers=args.layers).to(device_type()), args)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
 
 
@@ -115,6 +115,7 @@ def profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.T
     from torch.profiler import ProfilerActivity, profile, record_function
 
     gc.collect()
+    before = torch.cuda.memory_allocated() if device_type() == "cuda" else 0
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model, optimizer = build(contender, args)
         for step in (1, 2):
@@ -125,7 +126,7 @@ def profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.T
             gc.collect()
             with record_function(WINDOW if step == 2 else "warm-up"):
                 train_step(model, optimizer, batch)
-        cuda_peak = torch.cuda.max_memory_allocated() if device_type() == "cuda" else None
+        cuda_peak = torch.cuda.max_memory_allocated() - before if device_type() == "cuda" else None
         del model, optimizer
     counts = read_profile(prof, dist.get_backend())
     cpu_peak = counts.pop("peak_bytes")
@@ -156,10 +157,10 @@ def measure(args: argparse.Namespace) -> dict | None:
     for index, contender in enumerate(selected, 1):
         say(f"[{index}/{len(selected)}] {contender.name}: {contender.summary}: warming up ...", flush=True)
         try:
-            run = TimedRun(contender, args, tokens)
-            run.warm_up()
-            timed[contender.name] = run
+            timed[contender.name] = TimedRun(contender, args, tokens)
+            timed[contender.name].warm_up()
         except Exception as error:  # a contender that cannot run here becomes a row with the reason
+            timed.pop(contender.name, None)
             _failed(rows[contender.name], error)
             say(f"[{index}/{len(selected)}] {contender.name}: {rows[contender.name]['reason']}", flush=True)
     say(f"measuring {args.steps} steps of {', '.join(timed)}, interleaved ...", flush=True)
@@ -172,9 +173,8 @@ def measure(args: argparse.Namespace) -> dict | None:
             except Exception as error:
                 del timed[name]
                 _failed(rows[name], error)
-    for name, run in timed.items():
-        rows[name].update(run.results())
-    timed.clear()
+    for name in list(timed):  # popped, so no model outlives its measurement into the profile passes
+        rows[name].update(timed.pop(name).results())
     for index, contender in enumerate(selected, 1):
         row = rows[contender.name]
         if row["status"] == "ok":
@@ -192,7 +192,7 @@ def measure(args: argparse.Namespace) -> dict | None:
         "device": device_type(), "cpu_cores": os.cpu_count(), "load_average": os.getloadavg(),
         "process_group_backend": "nccl" if device_type() == "cuda" else "gloo", "world_size": world,
         **{option: getattr(args, option) for option in ("model", "steps", "warmup", "batch_size", "seq_len", "seed")},
-        "parameters": sum(p.numel() for p in build_model(args.model).parameters()),
+        "parameters": sum(p.numel() for p in build_model(args.model, n_layers=args.layers).parameters()),
         **{name: str(dtype).removeprefix("torch.") if dtype else None
            for name, dtype in (("param_dtype", args.param_dtype), ("reduce_dtype", args.reduce_dtype))},
         "compile_backend": args.backend, "optimizer": f"AdamW(lr={args.lr})", "methods": METHODS,

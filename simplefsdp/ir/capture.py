@@ -3,8 +3,7 @@
 AOTAutograd runs with Inductor's decompositions and min-cut partitioner, so the split, checkpoint tags, saved tensors,
 collectives and their order are an Inductor compile's; Inductor's post-grad pattern passes are not run, so elementwise
 ops stay unfused. On meta tensors nothing is allocated. Private details used only here: AOTAutograd's input
-descriptors (``node.meta["desc"]``), its ``_boxed_call`` marker, and ``aten._scaled_dot_product_flash_attention``.
-"""
+descriptors (``node.meta["desc"]``), its ``_boxed_call`` marker, and ``aten._scaled_dot_product_flash_attention``."""
 
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ _SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product
 @dataclass
 class CapturedGraphs:
     """The forward and backward FX graphs of one compiled call, and which placeholders hold which parameter."""
-
     forward: fx.GraphModule
     backward: fx.GraphModule
     param_fqns: dict[str, str]
@@ -41,9 +39,8 @@ def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: 
     """Compile ``model``, run it once forward and backward on ``example_inputs``, return its graphs.
 
     With ``fused_attention`` an unmasked ``scaled_dot_product_attention`` is traced as the flash kernel a GPU runs,
-    even on meta tensors. Raises ``TraceError`` naming the fix when the forward does not trace as one graph.
-    With ``dynamic`` the inputs' sizes are traced as symbols (``torch.compile(dynamic=True)``).
-    """
+    even on meta tensors; with ``dynamic`` the inputs' sizes are traced as symbols. Raises ``TraceError`` naming the
+    fix when the forward does not trace as one graph."""
     graphs: dict[str, fx.GraphModule] = {}
     dynamo_inputs: list[str | None] = []
     names = {id(param): name for name, param in model.named_parameters()}
@@ -78,8 +75,7 @@ def fx_backend(on_graph: Callable[[str, fx.GraphModule], None] | None = None,
     """A ``torch.compile`` backend: AOTAutograd split as Inductor does it, graphs run as plain FX.
 
     ``on_graph(phase, gm)`` sees the forward and the backward graph, ``on_inputs`` Dynamo's example inputs. Used
-    bare, it runs exactly the graphs ``inspect`` prices (how the cpu calibration measures them).
-    """
+    bare, it runs exactly the graphs ``inspect`` prices (how the cpu calibration measures them)."""
 
     def compile_graph(phase: str, gm: fx.GraphModule, _inputs) -> Callable:
         if on_graph is not None:
@@ -106,8 +102,7 @@ def fx_backend(on_graph: Callable[[str, fx.GraphModule], None] | None = None,
 def run_boxed(gm: fx.GraphModule) -> Callable[[list], object]:
     """Run ``gm`` by ``fx.Interpreter`` with the boxed calling convention, freeing tensors as early as Inductor does.
 
-    A fresh interpreter per call: one keeps the values of its last run (the forward's saved tensors) until the next.
-    """
+    A fresh interpreter per call: one keeps the values of its last run (the forward's saved tensors) until the next."""
 
     def run(args: list) -> object:
         return fx.Interpreter(gm).boxed_run(args)
@@ -132,9 +127,8 @@ def _parameter_placeholders(forward: fx.GraphModule, dynamo_inputs: list[str | N
 def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """``scaled_dot_product_attention`` through the flash kernel when it applies, else unchanged."""
     if attn_mask is not None or enable_gqa or query.dim() != 4:
-        return F.scaled_dot_product_attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-        )
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
     return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
 
 
@@ -142,8 +136,7 @@ def _use_fused_attention(gm: fx.GraphModule) -> None:
     """Point every attention call of Dynamo's graph and its subgraphs (checkpointed blocks) at ``_fused_attention``."""
     for module in gm.modules():
         if isinstance(module, fx.GraphModule):
-            attention = [node for node in module.graph.nodes
-                         if node.op == "call_function" and node.target in _SDPA_TARGETS]
-            for node in attention:
-                node.target = _fused_attention
+            for node in module.graph.nodes:
+                if node.op == "call_function" and node.target in _SDPA_TARGETS:
+                    node.target = _fused_attention
             module.recompile()

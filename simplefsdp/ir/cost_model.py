@@ -7,8 +7,7 @@ Collectives: an alpha-beta model with ring factors. For ``n`` ranks and a full b
 or reduce-scatter moves ``(n-1)/n * S`` through each rank's link (NCCL's "bus bandwidth" convention) in ``n-1`` steps;
 an all-reduce is a reduce-scatter followed by an all-gather. A group spanning ``N`` nodes of ``g`` ranks runs
 hierarchically: the inter-node phase moves ``(N-1)/N * S`` bytes through the node's ``g`` network links at once, the
-intra-node phase ``(g-1)/g * S`` over NVLink; the phases add up.
-"""
+intra-node phase ``(g-1)/g * S`` over NVLink; the phases add up."""
 
 from __future__ import annotations
 
@@ -26,10 +25,9 @@ def node_time(node: ScheduleNode, hardware: HardwareProfile, dtype: torch.dtype 
         return 0.0
     if node.alias_of is not None:
         return hardware.dispatch_overhead
-    moved = node.bytes_read + node.bytes_written
-    rate = hardware.matmul_rate(dtype or torch.float32)
     launch = hardware.dispatch_overhead + hardware.kernel_overhead
-    return launch + max(node.flops / rate, moved / hardware.memory_bandwidth)
+    return launch + max(node.flops / hardware.matmul_rate(dtype or torch.float32),
+                        (node.bytes_read + node.bytes_written) / hardware.memory_bandwidth)
 
 
 def collective_time(collective: Collective, hardware: HardwareProfile) -> float:
@@ -38,9 +36,8 @@ def collective_time(collective: Collective, hardware: HardwareProfile) -> float:
 
 
 def wire_bytes(collective: Collective) -> float:
-    """Bytes one rank sends plus receives for ``collective`` in a ring: ``2 * (n-1)/n * S`` for an all-gather,
-    reduce-scatter or all-to-all of ``S`` bytes (``collective.bytes``, so a uint8 payload counts 1 byte per element)
-    over ``n`` ranks, twice that for an all-reduce (a reduce-scatter, then an all-gather)."""
+    """Bytes one rank sends plus receives for ``collective`` in a ring of ``n`` ranks: ``2 * (n-1)/n * S`` for
+    ``S = collective.bytes`` (a uint8 payload counts 1 byte per element), twice that for an all-reduce."""
     ranks = collective.group_size
     return (4 if collective.kind == "all_reduce" else 2) * (ranks - 1) / ranks * collective.bytes if ranks > 1 else 0.0
 
@@ -55,14 +52,10 @@ def collective_seconds(kind: str, size: float, ranks: tuple[int, ...], hardware:
                                                         hardware.intra_node_latency)
     if nodes > 1:
         one_way += _ring_phase(size, nodes, local * hardware.inter_node_bandwidth, hardware.inter_node_latency)
-    if kind == "all_reduce":
-        return 2 * one_way - hardware.collective_latency
-    return one_way
+    return 2 * one_way - hardware.collective_latency if kind == "all_reduce" else one_way
 
 
 def _ring_phase(size: float, ranks: int, bandwidth: float, step_latency: float) -> float:
     """A ring over ``ranks`` participants: ``ranks-1`` steps moving ``(ranks-1)/ranks`` of ``size``."""
-    if ranks <= 1:
-        return 0.0
-    return (ranks - 1) * step_latency + (ranks - 1) / ranks * size / bandwidth
+    return (ranks - 1) * step_latency + (ranks - 1) / ranks * size / bandwidth if ranks > 1 else 0.0
 

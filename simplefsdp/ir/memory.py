@@ -7,8 +7,7 @@ gradients) are held for the whole step.
 
 Categories: ``sharded_params`` (what each rank keeps: shards, or whole parameters in replicate mode),
 ``unsharded_params`` (all-gather outputs), ``gradients`` (reduce-scatter / all-reduce outputs and returned gradients),
-``comm_buffers`` (tensors made only to feed a collective, e.g. a shard cast to the compute dtype) and ``activations``.
-"""
+``comm_buffers`` (tensors made only for a collective, e.g. a shard cast to the compute dtype) and ``activations``."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ CATEGORIES = ("sharded_params", "unsharded_params", "gradients", "comm_buffers",
 @dataclass
 class MemoryProfile:
     """Peak bytes per rank and its split by category; ``curve``: live bytes after each node, forward then backward."""
-
     peak_bytes: int
     peak_at: str
     peak_by_category: dict[str, int]
@@ -57,7 +55,7 @@ def memory_profile(forward: Schedule, backward: Schedule) -> MemoryProfile:
     liveness.run("b", backward.nodes)
     for name in backward.outputs:
         if name is not None:
-            liveness.keep(f"b:{name}", "gradients")
+            liveness.use(f"b:{name}", _END, "gradients")  # held to the end of the step
     return liveness.peak()
 
 
@@ -83,18 +81,11 @@ class _Liveness:
         self.storages[key] = _Storage(int(size), category, self.step)
         self.allocated_at[self.step].append(key)
 
-    def use(self, key: str, step: int) -> None:
-        """Keep the storage behind ``key`` alive at least through ``step``."""
-        storage = self.storages.get(self.root.get(key, ""))
-        if storage is not None:
+    def use(self, key: str, step: int, category: str | None = None) -> None:
+        """Keep the storage behind ``key`` alive at least through ``step``; with ``category``, recategorise it."""
+        if (storage := self.storages.get(self.root.get(key, ""))) is not None:
             storage.last_use = max(storage.last_use, step)
-
-    def keep(self, key: str, category: str) -> None:
-        """Keep the storage behind ``key`` alive to the end of the step, as ``category``."""
-        storage = self.storages.get(self.root.get(key, ""))
-        if storage is not None:
-            storage.category = category
-            storage.last_use = _END
+            storage.category = category or storage.category
 
     def run(self, phase: str, nodes: list[ScheduleNode]) -> None:
         """Walk ``nodes`` in order: allocate each output, extend the life of each input."""

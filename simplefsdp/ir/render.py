@@ -34,28 +34,19 @@ def format_seconds(seconds: float) -> str:
 
 def collective_rows(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> list[dict]:
     """One row per collective of the step: phase, kind, bucket, module, group size, dtype, bytes, time, hidden."""
-    rows = []
-    for schedule in schedules:
-        for index, node in enumerate(schedule.collectives()):
-            collective = node.collective
-            rows.append(dict(
-                phase=schedule.phase, kind=collective.kind, bucket=f"{schedule.phase[0]}{index}",
-                module=node.fqn or "(top)", group=collective.group_size,
-                dtype=str(collective.dtype).removeprefix("torch."),
-                bytes=collective.bytes, time=collective_time(collective, hardware),
-                stall=prediction.stall(schedule.phase, node.name), name=node.name,
-            ))
-    return rows
+    return [dict(phase=schedule.phase, kind=node.collective.kind, bucket=f"{schedule.phase[0]}{index}",
+                 module=node.fqn or "(top)", group=node.collective.group_size,
+                 dtype=str(node.collective.dtype).removeprefix("torch."), bytes=node.collective.bytes,
+                 time=collective_time(node.collective, hardware), stall=prediction.stall(schedule.phase, node.name),
+                 name=node.name)
+            for schedule in schedules for index, node in enumerate(schedule.collectives())]
 
 
 def span_colours(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> list[str]:
     """The colour of each span of ``prediction``, in order: compute by phase, a collective by its bucket."""
     buckets = {(row["phase"], row["name"]): row["bucket"] for row in collective_rows(schedules, prediction, hardware)}
-    return [
-        _PHASE_COLOURS[span.phase] if span.stream == "compute"
-        else _PALETTE[int(buckets[span.phase, span.name][1:]) % len(_PALETTE)]
-        for span in prediction.spans
-    ]
+    return [_PHASE_COLOURS[span.phase] if span.stream == "compute"
+            else _PALETTE[int(buckets[span.phase, span.name][1:]) % len(_PALETTE)] for span in prediction.spans]
 
 
 def text_summary(title: str, schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> str:
@@ -77,11 +68,9 @@ def text_summary(title: str, schedules: list[Schedule], prediction: Prediction, 
     ]
     for number, row in enumerate(collective_rows(schedules, prediction, hardware)):
         hidden = "yes" if row["stall"] == 0 else f"no, stalls {format_seconds(row['stall'])}"
-        lines.append(
-            f"{number:>3}  {row['phase']:8}  {row['kind']:14}  {row['bucket']:6}  {row['module']:32}  "
-            f"{row['group']:>5}  {row['dtype']:8}  {format_bytes(row['bytes']):>11}  "
-            f"{format_seconds(row['time']):>10}  {hidden}"
-        )
+        lines.append(f"{number:>3}  {row['phase']:8}  {row['kind']:14}  {row['bucket']:6}  {row['module']:32}  "
+                     f"{row['group']:>5}  {row['dtype']:8}  {format_bytes(row['bytes']):>11}  "
+                     f"{format_seconds(row['time']):>10}  {hidden}")
     return "\n".join(lines) + "\n"
 
 
@@ -105,10 +94,8 @@ def chrome_trace(schedules: list[Schedule], prediction: Prediction, hardware: Ha
         args = {"module": span.fqn, "op": span.op, "phase": span.phase}
         if (span.phase, span.name) in buckets:
             args["bucket"] = buckets[span.phase, span.name]
-        events.append({
-            "ph": "X", "pid": 0, "tid": 0 if span.stream == "compute" else 1, "name": span.name,
-            "cat": span.phase, "ts": span.start * 1e6, "dur": (span.end - span.start) * 1e6, "args": args,
-        })
-    for time, live in zip(prediction.node_end_times, prediction.memory.curve):
-        events.append({"ph": "C", "pid": 0, "name": "memory", "ts": time * 1e6, "args": {"bytes": live}})
+        events.append({"ph": "X", "pid": 0, "tid": 0 if span.stream == "compute" else 1, "name": span.name,
+                       "cat": span.phase, "ts": span.start * 1e6, "dur": (span.end - span.start) * 1e6, "args": args})
+    events += [{"ph": "C", "pid": 0, "name": "memory", "ts": time * 1e6, "args": {"bytes": live}}
+               for time, live in zip(prediction.node_end_times, prediction.memory.curve)]
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})

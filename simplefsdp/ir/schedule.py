@@ -1,8 +1,6 @@
 """The schedule: a post-grad FX graph read, without changing it, into ordered compute, collective and wait nodes.
 
-FLOPs come from ``torch.utils.flop_counter`` formulas on the nodes' fake tensors. Sizes are ``int``: a symbolic size
-(dynamic shapes) is read at its shape environment's hint, the size being compiled for.
-"""
+FLOPs come from ``torch.utils.flop_counter`` formulas on the nodes' fake tensors, symbolic sizes at their hints."""
 
 from __future__ import annotations
 
@@ -34,13 +32,11 @@ _COLLECTIVES = {
     _functional.all_reduce_coalesced.default: ("all_reduce", None, "input"),
     _functional.all_to_all_single.default: ("all_to_all", None, "input"),
 }
-_WAIT_OPS = (_functional.wait_tensor.default,)
 
 
 @dataclass(frozen=True)
 class Collective:
     """One collective: its kind, process group, element dtype and the full (unsharded) buffer size."""
-
     kind: str
     group_name: str
     group_ranks: tuple[int, ...]
@@ -55,9 +51,7 @@ class Collective:
 @dataclass(frozen=True)
 class ScheduleNode:
     """One operation of the graph. ``alias_of`` names the node whose storage this one shares (views, waits, tuple
-    items); such nodes allocate and cost nothing, except the items of an op returning several new tensors (ir.memory).
-    """
-
+    items); these allocate and cost nothing, except the items of an op returning several new tensors (ir.memory)."""
     name: str
     kind: str
     op: str
@@ -74,7 +68,6 @@ class ScheduleNode:
 @dataclass(frozen=True)
 class GraphInput:
     """A graph placeholder that holds a tensor: its size and, for parameter shards, the parameter's FQN."""
-
     name: str
     bytes: int
     param_fqn: str | None = None
@@ -82,10 +75,8 @@ class GraphInput:
 
 @dataclass
 class Schedule:
-    """One graph (``phase`` is ``"forward"`` or ``"backward"``) read into ordered nodes and a ``networkx`` DAG.
-
+    """One graph (``phase`` is ``"forward"`` or ``"backward"``) read into ordered nodes and a ``networkx`` DAG;
     ``symbols`` maps each symbolic size of the graph's inputs to the hint its sizes were read at."""
-
     phase: str
     inputs: list[GraphInput]
     nodes: list[ScheduleNode]
@@ -99,7 +90,6 @@ class Schedule:
         return self.dag.nodes[name]["node"]
 
     def collectives(self) -> list[ScheduleNode]:
-        """The collective nodes, in program order."""
         return [node for node in self.nodes if node.kind == COLLECTIVE]
 
 
@@ -139,8 +129,7 @@ class _Call(NamedTuple):  # the op a node runs, its arguments as nodes of the no
 
 def _call(fx_node: fx.Node) -> _Call:
     """What ``fx_node`` runs. A node pinned by Inductor's ``control_deps`` (``passes.inductor_internals.pin_order``)
-    runs the one op of its subgraph; that op is returned with the pinned node's arguments.
-    """
+    runs the one op of its subgraph; that op is returned with the pinned node's arguments."""
     if fx_node.target is not control_deps:
         return _Call(fx_node.target, fx_node.args, fx_node.kwargs)
     subgraph = getattr(fx_node.graph.owning_module, fx_node.args[1].target).graph
@@ -159,18 +148,19 @@ def _read_node(fx_node: fx.Node, fqns: dict[str, str]) -> ScheduleNode:
     target = call.target
     op = str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
     common = dict(name=fx_node.name, op=op, fqn=fqn, inputs=inputs)
-    if target in _WAIT_OPS:
-        return ScheduleNode(kind=WAIT, waits_for=_collective_source(call.args[0]), alias_of=call.args[0].name, **common)
-    common["bytes_written"] = _output_bytes(fx_node)
+    if target is _functional.wait_tensor.default:
+        source = call.args[0]
+        while source.target is operator.getitem:  # a tuple item: the wait belongs to the collective that made it
+            source = source.args[0]
+        return ScheduleNode(kind=WAIT, waits_for=source.name, alias_of=call.args[0].name, **common)
+    common["bytes_written"] = _bytes_of(tree_flatten(fx_node.meta.get("val"))[0])
     if target in _COLLECTIVES:
-        return ScheduleNode(kind=COLLECTIVE, collective=_read_collective(fx_node, call), **common)
-    alias = _aliased_input(call)
-    if alias is not None:
+        return ScheduleNode(kind=COLLECTIVE, collective=_read_collective(call, common["bytes_written"]), **common)
+    if (alias := _aliased_input(call)) is not None:
         return ScheduleNode(kind=COMPUTE, alias_of=alias, **common)
-    tensors = dict.fromkeys(arg for arg in tree_flatten((call.args, call.kwargs))[0]
-                            if isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor))
-    read = sum((tensor_bytes(arg.meta["val"]) for arg in tensors), 0)
-    return ScheduleNode(kind=COMPUTE, flops=_flops(fx_node, call), bytes_read=read, **common)
+    read = dict.fromkeys(arg for arg in tree_flatten((call.args, call.kwargs))[0] if isinstance(arg, fx.Node))
+    bytes_read = _bytes_of(arg.meta.get("val") for arg in read)
+    return ScheduleNode(kind=COMPUTE, flops=_flops(fx_node, call), bytes_read=bytes_read, **common)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -183,9 +173,9 @@ def _as_size(value) -> int:
     return optimization_hint(value) if isinstance(value, torch.SymInt) else int(value)
 
 
-def _output_bytes(fx_node: fx.Node) -> int:
-    values = [value for value in tree_flatten(fx_node.meta.get("val"))[0] if isinstance(value, torch.Tensor)]
-    return sum((tensor_bytes(value) for value in values), 0)
+def _bytes_of(values) -> int:
+    """Bytes of the tensors among ``values``."""
+    return sum((tensor_bytes(value) for value in values if isinstance(value, torch.Tensor)), 0)
 
 
 def _aliased_input(call: _Call) -> str | None:
@@ -196,13 +186,11 @@ def _aliased_input(call: _Call) -> str | None:
     alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
     if alias is None or alias.is_write:
         return None
-    tensors = [arg for arg in call.args if isinstance(arg, fx.Node)]
-    return tensors[0].name if tensors else None
+    return next((arg.name for arg in call.args if isinstance(arg, fx.Node)), None)
 
 
 def _flops(fx_node: fx.Node, call: _Call) -> int:
-    """FLOPs by PyTorch's formula; halved for causal attention, whose kernels skip the masked half (the formula
-    counts the full square)."""
+    """FLOPs by PyTorch's formula; halved for causal attention, whose kernels skip the masked half."""
     formula = flop_registry.get(getattr(call.target, "overloadpacket", None))
     if formula is None:
         return 0
@@ -213,31 +201,21 @@ def _flops(fx_node: fx.Node, call: _Call) -> int:
     return flops // 2 if causal else flops
 
 
-def _read_collective(fx_node: fx.Node, call: _Call) -> Collective:
+def _read_collective(call: _Call, output_bytes: int) -> Collective:
     kind, size_index, full_buffer = _COLLECTIVES[call.target]
-    group_name = call.args[-1]
-    ranks = group_ranks(group_name)
+    ranks = group_ranks(call.args[-1])
     if size_index is not None and len(ranks) != call.args[size_index]:
         ranks = tuple(range(call.args[size_index]))
     sources = tree_flatten(call.args[0])[0]
-    size = _output_bytes(fx_node) if full_buffer == "output" else sum((tensor_bytes(a.meta["val"]) for a in sources), 0)
-    return Collective(kind=kind, group_name=str(group_name), group_ranks=ranks, dtype=sources[0].meta["val"].dtype,
+    size = output_bytes if full_buffer == "output" else _bytes_of(source.meta["val"] for source in sources)
+    return Collective(kind=kind, group_name=str(call.args[-1]), group_ranks=ranks, dtype=sources[0].meta["val"].dtype,
                       bytes=size)
 
 
-def _collective_source(node: fx.Node) -> str:
-    """The collective a wait belongs to: the node itself, or the producer of a tuple item."""
-    while node.target is operator.getitem:
-        node = node.args[0]
-    return node.name
-
-
 def group_ranks(group_name: str) -> tuple[int, ...]:
-    """Global ranks of the process group registered as ``group_name`` in this process; ``()`` for an unknown name.
-
-    ``_resolve_process_group`` is private, but the only way from a name to a group."""
+    """Global ranks of the process group registered as ``group_name`` in this process; ``()`` for an unknown name."""
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import _resolve_process_group  # private, but the only way from a name
 
     if not dist.is_initialized():
         return ()

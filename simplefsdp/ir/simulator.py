@@ -3,8 +3,7 @@
 The compute stream runs nodes in program order. A collective is issued when the compute stream reaches it and runs
 on the communication stream, after the collectives issued before it. A wait blocks the compute stream until its
 collective ends; that stall is exposed communication. The backward starts when the forward's compute stream ends.
-The lower bound of any schedule of these nodes on two streams is ``max(total compute, total communication)``.
-"""
+The lower bound of any schedule of these nodes on two streams is ``max(total compute, total communication)``."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from simplefsdp.ir.schedule import COLLECTIVE, WAIT, Schedule
 @dataclass(frozen=True)
 class Span:
     """One node's interval on a stream, in seconds from the start of the step."""
-
     name: str
     phase: str
     stream: str
@@ -34,7 +32,6 @@ class Span:
 @dataclass
 class Prediction:
     """What the simulator predicts for one training step (forward + backward) on one rank."""
-
     step_time: float
     compute_time: float
     communication_time: float
@@ -55,13 +52,11 @@ class Prediction:
         return self.stalls.get((phase, name), 0.0)
 
 
-def simulate(
-    forward: Schedule, backward: Schedule, hardware: HardwareProfile, compute_dtype: torch.dtype | None = None
-) -> Prediction:
+def simulate(forward: Schedule, backward: Schedule, hardware: HardwareProfile,
+             compute_dtype: torch.dtype | None = None) -> Prediction:
     """Replay ``forward`` then ``backward`` on two streams with ``hardware``'s costs, matmuls in ``compute_dtype``."""
-    compute_clock = comm_clock = 0.0
+    compute_clock = comm_clock = total_compute = total_comm = exposed = 0.0
     spans, stalls, collective_end, node_end_times = [], {}, {}, []
-    total_compute = total_comm = exposed = 0.0
     for schedule in (forward, backward):
         for node in schedule.nodes:
             duration = node_time(node, hardware, compute_dtype)
@@ -83,8 +78,7 @@ def simulate(
                 total_compute += duration
             node_end_times.append(compute_clock)
     step_time = max(compute_clock, comm_clock)
-    return Prediction(
-        step_time=step_time, compute_time=total_compute, communication_time=total_comm,
-        exposed_communication=exposed + (step_time - compute_clock),  # communication that outlasts the compute
-        lower_bound=max(total_compute, total_comm), memory=memory_profile(forward, backward),
-        spans=spans, stalls=stalls, node_end_times=node_end_times)
+    return Prediction(step_time=step_time, compute_time=total_compute, communication_time=total_comm,
+                      exposed_communication=exposed + (step_time - compute_clock),  # + comm. after the compute
+                      lower_bound=max(total_compute, total_comm), memory=memory_profile(forward, backward),
+                      spans=spans, stalls=stalls, node_end_times=node_end_times)

@@ -180,8 +180,8 @@ class Llama(nn.Module):
 
 
 def build_model(name: str, **overrides) -> Llama:
-    """A freshly initialized model of the named size; ``overrides`` replace config fields."""
+    """A freshly initialized model of the named size; ``overrides`` replace config fields (``None`` keeps a field)."""
     config = get_config(name)
-    if overrides:
+    if overrides := {field: value for field, value in overrides.items() if value is not None}:
         config = LlamaConfig(**{**config.__dict__, **overrides})
     return Llama(config)

@@ -2,15 +2,17 @@
 
 1. Cut the collectives into units. All-gathers: one per child module of a repeated block (``layers.3.attention``) and
    per top-level module outside the blocks (``tok_embeddings``). Reduce-scatters and all-reduces: one per block plus
-   head and tail (the ``"block"`` plan's units). Each unit has its full buffer bytes and the roofline compute time of its modules' nodes.
+   head and tail (the ``"block"`` plan's units). Each unit has its full buffer bytes and the roofline compute time of
+   its modules' nodes.
 2. Walk the units of each (kind, process group, dtype) in program order and grow the current bucket by the next unit
    while (a) the merged bucket's alpha-beta communication time still fits under the compute it overlaps: for an
    all-gather the previous bucket's (it is prefetched behind it), for a reduce-scatter or all-reduce the next unit's
-   (it runs behind the next block's backward); and (b) the bytes in flight, ``prefetch + 1`` buckets of the merged size, stay within
-   ``memory_budget`` (default: what per-block bucketing holds, the most bytes of any ``prefetch + 1`` blocks in a row).
-   Each merge saves one collective's latency. Small all-gather units let a bucket end where the compute that can hide
-   the next one ends: the first block's attention is gathered behind the embedding lookup, its feed-forward behind that
-   attention, so only the embedding's own all-gather is exposed at the start of the step.
+   (it runs behind the next block's backward); and (b) the bytes in flight, ``prefetch + 1`` buckets of the merged
+   size, stay within ``memory_budget`` (default: what per-block bucketing holds, the most bytes of any
+   ``prefetch + 1`` blocks in a row). Each merge saves one collective's latency. Small all-gather units let a bucket
+   end where the compute that can hide the next one ends: the first block's attention is gathered behind the embedding
+   lookup, its feed-forward behind that attention, so only the embedding's own all-gather is exposed at the start of
+   the step.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budg
     merged = []
     for (kind, group_name, dtype), units in streams.items():
         ranks = schedule.node(units[0].bucket.collectives[0]).collective.group_ranks
-        budget = memory_budget if memory_budget is not None else _default_budget(units, prefetch)
+        budget = memory_budget if memory_budget is not None else max(  # the most bytes of prefetch + 1 in a row
+            sum(u.bytes for u in units[start:start + prefetch + 1]) for start in range(len(units)))
         if kind == "all_gather":
             units = modules[kind, group_name, dtype]
         merged += _merge(units, kind, ranks, hardware, budget, prefetch)
@@ -63,8 +66,7 @@ def module_names(nodes: list[ScheduleNode], blocks: Sequence[str]) -> dict[str, 
     names = {}
     for node in nodes:
         block = block_of(node.fqn, blocks)
-        rest = node.fqn[len(block) + 1:] if block else node.fqn
-        child = rest.split(".")[0]
+        child = (node.fqn[len(block) + 1:] if block else node.fqn).split(".")[0]
         names[node.name] = f"{block}.{child}" if block and child else (block or child)
     return names
 
@@ -98,13 +100,7 @@ def _merge(units: list[_Unit], kind: str, ranks: tuple[int, ...], hardware: Hard
             groups[-1] = candidate
         else:
             groups.append([unit])
-    return [_join([u.bucket for u in group]) for group in groups]
+    return [Bucket("+".join(u.bucket.name for u in group), kind,
+                   tuple(name for u in group for name in u.bucket.collectives),
+                   tuple(fqn for u in group for fqn in u.bucket.owners)) for group in groups]
 
-
-def _join(buckets: list[Bucket]) -> Bucket:
-    return Bucket("+".join(b.name for b in buckets), buckets[0].kind, tuple(n for b in buckets for n in b.collectives),
-                  tuple(fqn for b in buckets for fqn in b.owners))
-
-
-def _default_budget(units: list[_Unit], prefetch: int) -> float:
-    return max(sum(u.bytes for u in units[start:start + prefetch + 1]) for start in range(len(units)))

@@ -17,10 +17,8 @@ from simplefsdp.passes.inductor_internals import (merge_all_gathers, merge_all_r
 def apply_buckets(graph: fx.Graph, plan: BucketPlan) -> None:
     """Merge each bucket of ``plan`` (more than one collective) in ``graph``, in place."""
     by_name = {node.name: node for node in graph.nodes}
-    for bucket in plan.buckets:
-        if len(bucket.collectives) < 2:
-            continue
-        nodes = [by_name[name] for name in bucket.collectives]
-        {"all_gather": merge_all_gathers, "reduce_scatter": merge_reduce_scatters,
-         "all_reduce": merge_all_reduces}[bucket.kind](graph, nodes)
+    merge = {"all_gather": merge_all_gathers, "reduce_scatter": merge_reduce_scatters,
+             "all_reduce": merge_all_reduces}
+    for bucket in (bucket for bucket in plan.buckets if len(bucket.collectives) > 1):
+        merge[bucket.kind](graph, [by_name[name] for name in bucket.collectives])
     topological_sort(graph)

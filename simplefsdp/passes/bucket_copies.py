@@ -24,17 +24,15 @@ def all_gather_copy_in(shards: list[torch.Tensor], group_size: int, rank: int, d
 
 @all_gather_copy_in.register_fake
 def _(shards: list[torch.Tensor], group_size: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
-    total = sum(shard.numel() for shard in shards)
-    return shards[0].new_empty(total * group_size, dtype=dtype)
+    return shards[0].new_empty(sum(shard.numel() for shard in shards) * group_size, dtype=dtype)
 
 
 @torch.library.custom_op("simplefsdp::all_gather_copy_out", mutates_args=())
 def all_gather_copy_out(gathered: torch.Tensor, group_size: int, numels: list[int], ndims: list[int],
                         sizes: list[int]) -> list[torch.Tensor]:
     """Each parameter (``numels[i]`` elements per rank; its ``ndims[i]`` sizes next in ``sizes``) as a new tensor."""
-    parts = gathered.view(group_size, -1).split(numels, dim=1)
     outputs = [gathered.new_empty(shape) for shape in _shapes(ndims, sizes)]
-    for output, part in zip(outputs, parts):
+    for output, part in zip(outputs, gathered.view(group_size, -1).split(numels, dim=1)):
         output.view(group_size, -1).copy_(part)
     return outputs
 

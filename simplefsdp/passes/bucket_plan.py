@@ -27,7 +27,6 @@ ALL_REDUCE_BUCKET_BYTES = 25 * 2**20, 2**20  # DDP's bucket_cap_mb, and its firs
 @dataclass(frozen=True)
 class Bucket:
     """Collectives (node names, program order) merged into one, and the module FQNs that own them."""
-
     name: str
     kind: str
     collectives: tuple[str, ...]
@@ -38,7 +37,6 @@ class Bucket:
 class BucketPlan:
     """The buckets of one graph (``phase`` is ``"forward"`` or ``"backward"``), in program order, and the repeated
     blocks they were planned from."""
-
     phase: str
     buckets: tuple[Bucket, ...]
     blocks: tuple[str, ...] = ()
@@ -46,9 +44,8 @@ class BucketPlan:
     def __str__(self) -> str:
         found = f", {len(self.blocks)} block(s) {self.blocks[0]} .. {self.blocks[-1]}" if self.blocks else ""
         lines = [f"{self.phase}: {len(self.buckets)} bucket(s){found}"]
-        for bucket in self.buckets:
-            owners = ", ".join(dict.fromkeys(bucket.owners))
-            lines.append(f"  {bucket.kind} {bucket.name}: {len(bucket.collectives)} collective(s) [{owners}]")
+        lines += [f"  {b.kind} {b.name}: {len(b.collectives)} collective(s) [{', '.join(dict.fromkeys(b.owners))}]"
+                  for b in self.buckets]
         return "\n".join(lines)
 
 
@@ -72,8 +69,7 @@ def plan_buckets(schedule: Schedule, mode: BucketMode, blocks: Sequence[str] = (
     if mode is None:
         return BucketPlan(schedule.phase, ())
     if mode == "block":
-        names = {**all_reduce_names(schedule, memory_budget),
-                 **block_names(schedule, bucketable(schedule), blocks)}
+        names = {**all_reduce_names(schedule, memory_budget), **block_names(schedule, bucketable(schedule), blocks)}
     elif isinstance(mode, str):
         raise ValueError(f"plan_buckets takes None, 'block' or a manual plan, got {mode!r}")
     else:
@@ -101,11 +97,9 @@ def all_reduce_names(schedule: Schedule, memory_budget: int | None) -> dict[str,
 def group_collectives(schedule: Schedule, names: dict[str, str], blocks: Sequence[str] = ()) -> BucketPlan:
     """Buckets from a collective-name → bucket-name map, split by kind, process group and dtype."""
     groups: dict[tuple, list[ScheduleNode]] = {}
-    for node in bucketable(schedule, BUCKETED_KINDS):
-        if node.name in names:
-            collective = node.collective
-            key = (names[node.name], collective.kind, collective.group_name, collective.dtype)
-            groups.setdefault(key, []).append(node)
+    for node in (node for node in bucketable(schedule, BUCKETED_KINDS) if node.name in names):
+        key = (names[node.name], node.collective.kind, node.collective.group_name, node.collective.dtype)
+        groups.setdefault(key, []).append(node)
     return BucketPlan(schedule.phase, tuple(
         Bucket(name, kind, tuple(n.name for n in nodes), tuple(n.fqn for n in nodes))
         for (name, kind, _, _), nodes in groups.items()), tuple(blocks))
@@ -129,12 +123,9 @@ def block_names(schedule: Schedule, nodes: list[ScheduleNode], blocks: Sequence[
 
 def _manual_names(schedule: Schedule, plan: Sequence[Sequence[str]]) -> dict[str, str]:
     """Node name → its bucket of ``plan`` (checked by ``options.check_manual_plan``: a module in one bucket only)."""
-    names = {}
-    for node in bucketable(schedule, BUCKETED_KINDS):
-        matches = [prefixes for prefixes in plan if any(covers(prefix, node.fqn) for prefix in prefixes)]
-        if matches:
-            names[node.name] = "+".join(matches[0])
-    return names
+    matches = {node.name: [prefixes for prefixes in plan if any(covers(prefix, node.fqn) for prefix in prefixes)]
+               for node in bucketable(schedule, BUCKETED_KINDS)}
+    return {name: "+".join(buckets[0]) for name, buckets in matches.items() if buckets}
 
 
 def covers(prefix: str, fqn: str) -> bool:

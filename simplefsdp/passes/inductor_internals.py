@@ -26,11 +26,9 @@ def merge_all_gathers(graph: fx.Graph, all_gathers: list[fx.Node]) -> None:
     _, group_size, group_name = all_gathers[0].args
     rank = dist.get_rank(_resolve_process_group(group_name))  # c10d's private lookup of a group by its name
     dtype = all_gathers[0].meta["val"].dtype
-
-    def trace_args(shards: list[fx.Node]) -> tuple:
-        return [shard.meta["val"] for shard in shards], group_name, group_size, rank, dtype
-
-    process_collective_bucket(graph, all_gathers, all_gather_bucket, trace_args, insert_before=all_gathers[0])
+    process_collective_bucket(
+        graph, all_gathers, all_gather_bucket, insert_before=all_gathers[0],
+        trace_args_fn=lambda shards: ([shard.meta["val"] for shard in shards], group_name, group_size, rank, dtype))
 
 
 def merge_reduce_scatters(graph: fx.Graph, reduce_scatters: list[fx.Node]) -> None:

@@ -28,7 +28,6 @@ _SOURCES = sorted(Path(__file__).parent.glob("*.py")) + sorted((Path(__file__).p
 @dataclass(frozen=True)
 class PassStage:
     """One graph after a step of the passes (``"traced"``, ``"bucketed"``, ``"reordered"``) and the plan it applied."""
-
     name: str
     schedule: Schedule
     plan: BucketPlan | ReorderPlan | None

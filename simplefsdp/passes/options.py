@@ -23,7 +23,11 @@ def check_pass_options(model: nn.Module | None, buckets: Any, reorder: Any, pref
     if blocks is not None and not _is_name_lists([blocks]):
         raise TypeError(f"blocks must be a list of module names, e.g. ['layers.0', 'layers.1'], got {blocks!r}")
     if model is not None:
-        _check_names(model, [*(blocks or []), *(name for bucket in buckets for name in bucket)] if manual else blocks)
+        modules = [name for name, _ in model.named_modules() if name]
+        names = [*(blocks or []), *(name for bucket in buckets for name in bucket)] if manual else blocks or []
+        if unknown := [name for name in names if name not in modules]:
+            raise ValueError(f"the manual bucket plan or blocks= names module(s) that {type(model).__name__} "
+                             f"does not have: {', '.join(map(repr, unknown))}; valid names: {', '.join(modules)}")
         if manual:
             check_manual_plan(model, buckets)
     if not isinstance(reorder, bool):
@@ -38,13 +42,6 @@ def _is_name_lists(buckets: Any) -> bool:
     return isinstance(buckets, (list, tuple)) and all(
         isinstance(bucket, (list, tuple)) and bucket and all(isinstance(name, str) for name in bucket)
         for bucket in buckets)
-
-
-def _check_names(model: nn.Module, names: list[str] | None) -> None:
-    modules = [name for name, _ in model.named_modules() if name]
-    if unknown := [name for name in names or [] if name not in modules]:
-        raise ValueError(f"the manual bucket plan or blocks= names module(s) that {type(model).__name__} does not "
-                         f"have: {', '.join(map(repr, unknown))}; valid names: {', '.join(modules)}")
 
 
 def check_manual_plan(model: nn.Module, plan: list[list[str]]) -> None:

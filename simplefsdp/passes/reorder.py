@@ -28,7 +28,6 @@ from simplefsdp.passes.inductor_internals import pin_order
 class Prefetch:
     """Issue ``collective`` (and the nodes it needs) right after ``after`` (``None``: at the start of the graph);
     ``anchor``, the first compute node it hides behind, must run after it."""
-
     collective: str
     after: str | None
     anchor: str
@@ -37,7 +36,6 @@ class Prefetch:
 @dataclass(frozen=True)
 class Sink:
     """Move ``nodes`` (a wait and its copy-out views, program order) to just before ``before``."""
-
     nodes: tuple[str, ...]
     before: str
 
@@ -49,7 +47,6 @@ class Sink:
 @dataclass(frozen=True)
 class ReorderPlan:
     """The moves for one graph."""
-
     phase: str
     prefetches: tuple[Prefetch, ...]
     sinks: tuple[Sink, ...]
@@ -71,18 +68,15 @@ def plan_reorder(schedule: Schedule, prefetch: int = 1) -> ReorderPlan:
     all_gathers = [node for node in collectives if node.collective.kind == "all_gather"]
     prefetches = []
     for first in all_gathers[:prefetch]:
-        needed = nx.ancestors(schedule.dag, first.name)
-        anchor = next((node.name for node in schedule.nodes if node.kind == COMPUTE and node.alias_of is None
-                       and node.name not in needed), None)
+        anchor = _first_compute(schedule.nodes, nx.ancestors(schedule.dag, first.name))
         if anchor is not None and position[first.name] > position[anchor]:
             prefetches.append(Prefetch(first.name, None, anchor))
     for earlier, later in zip(all_gathers, all_gathers[prefetch:] if prefetch else []):
-        wait = waits[earlier.name]
+        wait, start = waits[earlier.name], sinks[earlier.name].before
         if position[later.name] > position[wait.name]:
-            anchor = _anchor(schedule, sinks[earlier.name].before, position)
+            anchor = _first_compute(schedule.nodes[position[start]:]) or start
             prefetches.append(Prefetch(later.name, wait.name, anchor))
-    moved = tuple(sink for sink in sinks.values() if sink.moves(position))
-    return ReorderPlan(schedule.phase, tuple(prefetches), moved)
+    return ReorderPlan(schedule.phase, tuple(prefetches), tuple(s for s in sinks.values() if s.moves(position)))
 
 
 def _sink(schedule: Schedule, wait: ScheduleNode, collectives: list[ScheduleNode], position: dict) -> Sink:
@@ -105,12 +99,10 @@ def _sink(schedule: Schedule, wait: ScheduleNode, collectives: list[ScheduleNode
     return Sink(tuple(sorted(chain, key=position.__getitem__)), schedule.nodes[limit].name)
 
 
-def _anchor(schedule: Schedule, start: str, position: dict) -> str:
-    """The first real compute node from ``start`` on: the start of a bucket's compute."""
-    for node in schedule.nodes[position[start]:]:
-        if node.kind == COMPUTE and node.alias_of is None:
-            return node.name
-    return start
+def _first_compute(nodes: list[ScheduleNode], skip: set[str] = frozenset()) -> str | None:
+    """The first real compute node of ``nodes`` not in ``skip``: the start of a bucket's compute."""
+    return next((node.name for node in nodes if node.kind == COMPUTE and node.alias_of is None
+                 and node.name not in skip), None)
 
 
 def apply_reorder(graph: fx.Graph, plan: ReorderPlan) -> None:

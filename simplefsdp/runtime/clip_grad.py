@@ -29,8 +29,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
     if not inf:
         total = total.pow(1.0 / norm_type)
-    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    torch._foreach_mul_(local, clip_coef)
+    torch._foreach_mul_(local, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
 
 
@@ -39,10 +38,9 @@ def _shard_group(grads: list[torch.Tensor]) -> dist.ProcessGroup | None:
     dtensors = [g for g in grads if isinstance(g, DTensor)]
     layouts = {(g.device_mesh, tuple(g.placements)) for g in dtensors}
     if len(layouts) > 1 or (dtensors and len(dtensors) != len(grads)):
-        raise ValueError(
-            "clip_grad_norm_ needs every gradient sharded the same way (the parameters of one compile_sharded "
-            f"model); found {len(layouts)} layouts and {len(grads) - len(dtensors)} plain tensors"
-        )
+        raise ValueError("clip_grad_norm_ needs every gradient sharded the same way (the parameters of one "
+                         f"compile_sharded model); found {len(layouts)} layouts and {len(grads) - len(dtensors)} "
+                         "plain tensors")
     if not layouts:
         return None
     mesh, placements = layouts.pop()

@@ -9,29 +9,27 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
+from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler  # private: AOTAutograd's key
 from torch._inductor.codecache import FxGraphCachePickler  # private: the pickler of the FX graph cache key
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 COMPILE_OPTIONS = ("fullgraph", "dynamic", "mode", "options", "disable")
 
 
 def check_compile_options(options: dict[str, Any]) -> None:
     """Raise ``TypeError`` for a keyword that ``torch.compile`` does not take."""
-    unknown = sorted(set(options) - set(COMPILE_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"unknown option(s) {', '.join(unknown)}; compile_sharded passes only these on to torch.compile: "
-            f"{', '.join(COMPILE_OPTIONS)}"
-        )
+    if unknown := sorted(set(options) - set(COMPILE_OPTIONS)):
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; compile_sharded passes only these on to "
+                        f"torch.compile: {', '.join(COMPILE_OPTIONS)}")
 
 
 def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any]) -> None:
     """``module.compile(...)``, keeping the module object and ``state_dict`` keys; the first call names graph breaks.
 
     The compiled call (``nn.Module._compiled_call_impl``, private) is a frame of ours, since Dynamo skips frames of
-    ``torch.nn`` code: ``module.compile()`` would compile nothing of a root ``nn.Sequential`` or ``nn.Linear``.
-    """
-    key_meshes_by_value()
+    ``torch.nn`` code: ``module.compile()`` would compile nothing of a root ``nn.Sequential`` or ``nn.Linear``."""
+    key_caches_by_value()
 
     def sharded_call(*args, **kwargs):
         return module._call_impl(*args, **kwargs)
@@ -40,18 +38,20 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
     module._compiled_call_impl = _warn_on_graph_breaks(compiled, type(module).__name__)
 
 
-def key_meshes_by_value() -> None:
-    """Make Inductor's FX graph cache key a ``DeviceMesh`` graph input by its value (idempotent).
+def key_caches_by_value() -> None:
+    """Make the compile caches' keys hold what a compiled graph depends on, the same in every process (idempotent).
 
-    PyTorch 2.13 keys it by ``_hash``, a string hash that differs in every process (``PYTHONHASHSEED``), so no second
-    process would hit the cache; ``_stable_hash`` (AOTAutograd's key) covers ranks, layout, device and dim names, and
-    the names of this rank's process groups (baked into the graph's collectives) tell apart ranks of a 2-D mesh
-    that sit in different groups.
-    """
+    PyTorch 2.13 keys a ``DeviceMesh`` graph input of Inductor's FX graph cache by ``_hash``, a string hash that
+    differs in every process (``PYTHONHASHSEED``), so no second process would hit; ours is ``_stable_hash``
+    (ranks, layout, device, dim names) and the names of this rank's process groups (baked into the collectives).
+    AOTAutograd keys a ``DTensor`` by its global shape and placements alone, so with uneven shards a rank would load
+    the graph compiled for another rank's shard shape; ours adds the local shard's shape and strides."""
     FxGraphCachePickler._reduce_fake_script_object = _reduce_mesh_by_value
+    AOTAutogradCachePickler._reduce_tensor_subclass = _reduce_dtensor_with_local_shard
 
 
 _reduce_by_pickling = FxGraphCachePickler._reduce_fake_script_object
+_reduce_by_flattening = AOTAutogradCachePickler._reduce_tensor_subclass
 
 
 def _reduce_mesh_by_value(pickler: FxGraphCachePickler, fake: Any) -> tuple:
@@ -59,6 +59,13 @@ def _reduce_mesh_by_value(pickler: FxGraphCachePickler, fake: Any) -> tuple:
         groups = [mesh.get_group(dim).group_name for dim in range(mesh.ndim)]
         return str, (f"DeviceMesh {mesh._stable_hash()} groups {groups}",)
     return _reduce_by_pickling(pickler, fake)
+
+
+def _reduce_dtensor_with_local_shard(pickler: AOTAutogradCachePickler, tensor: torch.Tensor) -> tuple:
+    if isinstance(tensor, DTensor):
+        local = tensor._local_tensor
+        return str, (f"DTensor {tensor._stable_hash_for_caching()} local {tuple(local.shape)} {local.stride()}",)
+    return _reduce_by_flattening(pickler, tensor)
 
 
 def _warn_on_graph_breaks(compiled: Callable, name: str) -> Callable:
@@ -73,12 +80,9 @@ def _warn_on_graph_breaks(compiled: Callable, name: str) -> Callable:
         checked = True
         if breaks := Counter(counters["graph_break"]) - before:
             reasons = "; ".join(f"{reason.splitlines()[0]} (x{count})" for reason, count in breaks.items())
-            warnings.warn(
-                f"{name} graph-breaks {sum(breaks.values())} time(s): {reasons}. Training stays correct "
-                "(each compiled piece keeps its own collectives) but communication cannot overlap across "
-                "a break; pass fullgraph=True to fail on the first one.",
-                stacklevel=2,
-            )
+            warnings.warn(f"{name} graph-breaks {sum(breaks.values())} time(s): {reasons}. Training stays correct "
+                          "(each compiled piece keeps its own collectives) but communication cannot overlap across "
+                          "a break; pass fullgraph=True to fail on the first one.", stacklevel=2)
         return result
 
     return call

@@ -51,10 +51,7 @@ class ReplicaGroup:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: int, groups: int, lighthouse: str,
                  timeout: timedelta = timedelta(seconds=20)) -> None:
-        try:
-            from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-        except ImportError:
-            raise SystemExit(f"--fault-tolerant needs torchft; {INSTALL}") from None
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # the ft extra: checked before launch
         check_lighthouse(lighthouse)
         if not torch.cuda.is_available():  # its one warning on CPU is about NCCL's flight recorder
             logging.getLogger("torchft.manager").setLevel(logging.ERROR)

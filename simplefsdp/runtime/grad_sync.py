@@ -70,8 +70,7 @@ def register_pending_drops(model: nn.Module, sync: GradientSync) -> None:
     """Clear each accumulator's pending sum once a backward with sync on has accumulated its parameter's gradient.
 
     Registered when sync is first turned off, so on the parameters as they are then (``to_empty`` replaces them).
-    The hooks also fire with sync off (a compiled backward runs every accumulation), where they keep the sum.
-    """
+    The hooks also fire with sync off (a compiled backward runs every accumulation), where they keep the sum."""
     for module in model.modules():
         for name, accumulator in vars(module).get("_grad_accumulators", {}).items():
             module._parameters[name].register_post_accumulate_grad_hook(functools.partial(_drop, sync, accumulator))
@@ -84,7 +83,6 @@ def _drop(sync: GradientSync, accumulator: torch.Tensor, _: torch.Tensor) -> Non
 
 class GradientSyncMethods:
     """FSDP2's gradient-sync controls, mixed into the class of the model ``compile_sharded`` returns."""
-
     _gradient_sync: GradientSync
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
