@@ -71,25 +71,33 @@ def _hand_reduced(local_grad, error, world, rank):
 
 def _quantized_steps(root):
     """Integer data and a linear loss: each rank's local gradient is exact in any order, so the quantized
-    exchange can be compared bitwise with ``_hand_reduced``."""
+    exchange can be compared bitwise with ``_hand_reduced``. One compiled model serves every check."""
     world, rank = dist.get_world_size(), dist.get_rank()
-
-    def build():
-        torch.manual_seed(0)
-        return compile_sharded(nn.Linear(16, 33), quantize=QUANTIZE)
-
-    def batch(step):
-        generator = torch.Generator().manual_seed(10 * step + rank)
-        return torch.randint(-3, 4, (4, 16), generator=generator).float(), torch.randint(-3, 4, (4, 33)).float()
-
-    model, plain = build(), nn.Linear(16, 33)
+    torch.manual_seed(0)
+    model, plain = compile_sharded(nn.Linear(16, 33), quantize=QUANTIZE), nn.Linear(16, 33)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    results = {"exact": True}
-    for step in (1, 2):
-        x, weight = batch(step)
-        errors = {name: error.to_local().clone() for name, error in error_feedback_state(model).items()}
-        (model(x) * weight).sum().backward()
+
+    def step(number):
+        generator = torch.Generator().manual_seed(10 * number + rank)
+        x, weight = (torch.randint(-3, 4, shape, generator=generator).float() for shape in ((4, 16), (4, 33)))
+        loss = (model(x) * weight).sum()
+        with CountCollectives(any_dtype=True) as counter:
+            loss.backward()
         (plain(x) * weight).sum().backward()  # the weight gradient of a linear loss does not depend on the weights
+        return dict(counter.counts)
+
+    def snapshot(grads=False):
+        """Every error buffer and parameter (or gradient) shard of this rank, copied."""
+        tensors = [*error_feedback_state(model).values(), *model.parameters()]
+        return [(t.grad if grads and t.requires_grad else t).to_local().clone() for t in tensors]
+
+    def equal(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    results = {"exact": True}
+    for number in (1, 2):
+        errors = {name: error.to_local().clone() for name, error in error_feedback_state(model).items()}
+        results["backward_collectives"] = step(number)
         for name, param in model.named_parameters():
             expected, expected_error = _hand_reduced(dict(plain.named_parameters())[name].grad, errors[name], world,
                                                      rank)
@@ -100,27 +108,20 @@ def _quantized_steps(root):
         optimizer.zero_grad()
     results["error_carried"] = all(e.to_local().abs().sum() > 0 for e in error_feedback_state(model).values())
 
-    saved = save_checkpoint(root, 2, model, optimizer)
-    resumed = build()
-    resumed_optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1)
-    load_checkpoint(saved, resumed, resumed_optimizer)
-    x, weight = batch(3)
-    for trained in (model, resumed):
-        (trained(x) * weight).sum().backward()
-    results["resume_exact"] = all(
-        torch.equal(a.grad.to_local(), b.grad.to_local()) and torch.equal(a.to_local(), b.to_local())
-        for a, b in zip(model.parameters(), resumed.parameters())) and all(
-        torch.equal(a.to_local(), error_feedback_state(resumed)[name].to_local())
-        for name, a in error_feedback_state(model).items())
+    saved, at_save = save_checkpoint(root, 2, model, optimizer), snapshot()
+    step(3)
+    after_step_3 = snapshot(), snapshot(grads=True)
+    optimizer.step()  # moves the weights, as step 3 moved the error buffers
+    optimizer.zero_grad()
+    load_checkpoint(saved, model, optimizer)
+    results["loaded_exact"] = equal(snapshot(), at_save) and not equal(after_step_3[0], at_save)
+    step(3)
+    results["resume_exact"] = equal(snapshot(), after_step_3[0]) and equal(snapshot(grads=True), after_step_3[1])
 
-    before = {name: error.to_local().clone() for name, error in error_feedback_state(model).items()}
+    before = snapshot()
     with model.no_sync():
-        loss = (model(x) * weight).sum()
-        with CountCollectives(any_dtype=True) as counter:
-            loss.backward()
-    results["no_sync_backward_collectives"] = dict(counter.counts)
-    results["no_sync_errors_unchanged"] = all(torch.equal(error_feedback_state(model)[n].to_local(), e)
-                                              for n, e in before.items())
+        results["no_sync_backward_collectives"] = step(4)
+    results["no_sync_errors_unchanged"] = equal(snapshot(), before)
     return results
 
 
@@ -128,10 +129,12 @@ def test_quantized_step_matches_the_hand_computed_exchange(tmp_path):
     for result in run_on_ranks(2, _quantized_steps, str(tmp_path)):
         assert result["exact"]  # gradients and error buffers, bitwise, over two steps
         assert result["error_carried"]
+        assert result["backward_collectives"]  # the counter sees the compiled backward's collectives
         # the forward keeps its gathered weights with sync off, so the backward communicates nothing
         assert result["no_sync_backward_collectives"] == {}
         assert result["no_sync_errors_unchanged"]
-        assert result["resume_exact"]
+        assert result["loaded_exact"]  # weights and error buffers as saved, after a step that changed both
+        assert result["resume_exact"]  # the step after loading reproduces the step after saving
 
 
 def _bucket_plans(quantize):
