@@ -3,6 +3,8 @@ exchange, error feedback, no-sync and checkpoints, and the quantized graphs on t
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,8 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import Quantize, compile_sharded, load_checkpoint, save_checkpoint
 from simplefsdp.ir.capture import capture_graphs
-from simplefsdp.ir.schedule import read_schedule
-from simplefsdp.passes.bucket_plan import plan_buckets
+from simplefsdp.passes.bucket_plan import find_blocks
+from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.quantize import QMAX, error_feedback_state, padded_rows, quantize_pack, unpack_dequantize
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
@@ -137,25 +139,28 @@ def test_quantized_step_matches_the_hand_computed_exchange(tmp_path):
         assert result["resume_exact"]  # the step after loading reproduces the step after saving
 
 
-def _bucket_plans(quantize):
+def _passed_schedules(quantize):
+    """The forward and backward schedules of an MLP with two repeated blocks on 8 fake ranks, after the block
+    bucketing and reordering passes."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 8), nn.ReLU(), nn.Linear(8, 8))
+    model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                          nn.Linear(8, 8))
+    passes = OverlapPasses("block", blocks=find_blocks(model))
     shard_parameters(model, init_device_mesh("cpu", (8,)), "fully_shard", ReplicateComputation(None, None, True,
                                                                                                 quantize))
     torch._dynamo.reset()
     graphs = capture_graphs(model, (torch.randn(4, 16),))
-    schedules = [read_schedule(graphs.forward, "forward"), read_schedule(graphs.backward, "backward")]
-    return [(plan_buckets(schedule, "block"), schedule) for schedule in schedules]
+    return [list(passes.stages(gm, phase))[-1].schedule
+            for gm, phase in ((graphs.forward, "forward"), (graphs.backward, "backward"))]
 
 
-def test_quantized_gathers_bucket_like_full_precision_ones_with_uint8_payloads():
+def test_quantized_collectives_bucket_like_full_precision_ones_with_uint8_payloads():
     with fake_world(8):
-        full, quantized = _bucket_plans(None), _bucket_plans(QUANTIZE)
-    for (full_plan, _), (plan, schedule) in zip(full, quantized):
-        gathers = [b for b in plan.buckets if b.kind == "all_gather"]
-        assert [len(b.collectives) for b in gathers] == [
-            len(b.collectives) for b in full_plan.buckets if b.kind == "all_gather"]
-        assert {node.collective.dtype for node in schedule.collectives()
-                if node.collective.kind in ("all_gather", "all_to_all")} == {torch.uint8}
-    _, (_, backward) = quantized
-    assert sum(node.collective.kind == "all_to_all" for node in backward.collectives()) == 6
+        full, quantized = _passed_schedules(None), _passed_schedules(QUANTIZE)
+    as_quantized = {"all_gather": "all_gather", "reduce_scatter": "all_to_all"}
+    for full_schedule, schedule in zip(full, quantized):
+        assert Counter(node.collective.kind for node in schedule.collectives()) == Counter(
+            as_quantized[node.collective.kind] for node in full_schedule.collectives())
+        assert {node.collective.dtype for node in schedule.collectives()} == {torch.uint8}
+    # one gradient exchange each for the head (two layers) and the two blocks, not one per parameter (eight)
+    assert sum(node.collective.kind == "all_to_all" for node in quantized[1].collectives()) == 3
