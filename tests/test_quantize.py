@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import Quantize, compile_sharded, load_checkpoint, save_checkpoint
 from simplefsdp.ir.capture import capture_graphs
+from simplefsdp.passes.bucket_copies import all_to_all_bucket
 from simplefsdp.passes.bucket_plan import find_blocks
 from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.runtime.fake_world import fake_world
@@ -40,8 +41,10 @@ def test_round_trip_error_is_within_half_a_step_and_packing_is_deterministic(fmt
     # after it each add at most u relative to a value of at most qmax steps.
     assert (error <= step * (0.5 + 2 * QMAX[fmt] * U)).all()
     assert error[1, 0].max() == 0
-    # The backward's re-gather quantizes the same shard in another compiled graph: the bits must not change.
+    # The backward's re-gather quantizes the same shard in another compiled graph: the bits must not change; and
+    # Inductor's kernels compute as eager (the multi-rank test below runs aot_eager graphs).
     assert torch.equal(torch.compile(quantize_pack)(rows, fmt, BLOCK), packed)
+    assert torch.equal(torch.compile(unpack_dequantize)(packed, fmt, BLOCK), unpack_dequantize(packed, fmt, BLOCK))
 
 
 def test_bad_options_are_refused_before_anything_compiles():
@@ -73,10 +76,11 @@ def _hand_reduced(local_grad, error, world, rank):
 
 def _quantized_steps(root):
     """Integer data and a linear loss: each rank's local gradient is exact in any order, so the quantized
-    exchange can be compared bitwise with ``_hand_reduced``. One compiled model serves every check."""
+    exchange can be compared bitwise with ``_hand_reduced``. One model, compiled by ``aot_eager`` (Inductor's C++
+    compiles would cost a minute here; its kernels are checked against eager above), serves every check."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    model, plain = compile_sharded(nn.Linear(16, 33), quantize=QUANTIZE), nn.Linear(16, 33)
+    model, plain = compile_sharded(nn.Linear(16, 33), quantize=QUANTIZE, backend="aot_eager"), nn.Linear(16, 33)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(number):
@@ -124,6 +128,13 @@ def _quantized_steps(root):
     with model.no_sync():
         results["no_sync_backward_collectives"] = step(4)
     results["no_sync_errors_unchanged"] = equal(snapshot(), before)
+
+    # The bucketing pass's merged all-to-all moves every byte as the separate ones would.
+    functional, splits, group = torch.ops._c10d_functional, [1] * world, dist.group.WORLD.group_name
+    generator = torch.Generator().manual_seed(rank)
+    inputs = [torch.randint(0, 256, (world, n), dtype=torch.uint8, generator=generator) for n in (3, 5, 8)]
+    alone = [functional.wait_tensor(functional.all_to_all_single(t, splits, splits, group)) for t in inputs]
+    results["bucket_exact"] = equal(all_to_all_bucket(inputs, splits, splits, group), alone)
     return results
 
 
@@ -137,6 +148,7 @@ def test_quantized_step_matches_the_hand_computed_exchange(tmp_path):
         assert result["no_sync_errors_unchanged"]
         assert result["loaded_exact"]  # weights and error buffers as saved, after a step that changed both
         assert result["resume_exact"]  # the step after loading reproduces the step after saving
+        assert result["bucket_exact"]
 
 
 def _passed_schedules(quantize):
