@@ -5,13 +5,16 @@
 ``--data``: Python's standard-library sources concatenated, e.g.
 ``python -c "import pathlib, sysconfig; r = pathlib.Path(sysconfig.get_paths()['stdlib']);
 pathlib.Path('stdlib.txt').write_bytes(b''.join(p.read_bytes() for p in sorted(r.glob('*.py'))))"``.
-Prints the mean of the last 50 losses of each run, relative to full precision, and writes ``loss.png``.
+Prints the mean of the last 50 losses of each run, relative to full precision (and the paired difference per step,
+with its standard error), and writes ``loss.png``: the curves, and each run's difference from full precision as a
+50-step moving average. ``--reuse`` reads the logs of runs already in ``--out`` instead of training again.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +33,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--out", default="runs/low_bit")
     parser.add_argument("--only", nargs="+", default=list(RUNS))
+    parser.add_argument("--reuse", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -38,23 +42,30 @@ def main() -> None:
         log = out / (re.sub(r"\W+", "_", name) + ".log")
         command = [sys.executable, "-m", "simplefsdp", "train", "--model", "cpu-small", "--nproc", "2", "--steps",
                    str(args.steps), "--data", args.data, *RUNS[name]]
-        log.write_text(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+        if not (args.reuse and log.exists()):
+            log.write_text(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
         curves[name] = [float(loss) for loss in re.findall(r"^step +\d+/\d+ +loss (\S+)", log.read_text(), re.M)]
-    reference = sum(curves[next(iter(curves))][-50:]) / 50
-    print("| run | mean of last 50 losses | vs first run |\n|---|---|---|")
+    first = curves[next(iter(curves))]
+    print("| run | mean of last 50 losses | vs first run | paired difference per step (± 1 s.e.) |\n|---|---|---|---|")
     for name, losses in curves.items():
-        mean = sum(losses[-50:]) / len(losses[-50:])
-        print(f"| {name} | {mean:.4f} | {mean / reference - 1:+.2%} |")
+        mean, differences = statistics.mean(losses[-50:]), [a - b for a, b in zip(losses[-50:], first[-50:])]
+        error = statistics.stdev(differences) / len(differences) ** 0.5
+        print(f"| {name} | {mean:.4f} | {mean / statistics.mean(first[-50:]) - 1:+.2%} | "
+              f"{statistics.mean(differences):+.4f} ± {error:.4f} |")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(8, 4.5), layout="constrained")
+    figure = Figure(figsize=(8, 7), layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplots()
+    curve_axes, difference_axes = figure.subplots(2)
     for name, losses in curves.items():
-        axes.plot(range(1, len(losses) + 1), losses, label=name, linewidth=0.8)
-    axes.set(xlabel="step", ylabel="loss", title="cpu-small, 2 gloo ranks, Python stdlib sources")
-    axes.legend()
+        curve_axes.plot(range(1, len(losses) + 1), losses, label=name, linewidth=0.8)
+        differences = [a - b for a, b in zip(losses, first)]
+        averaged = [statistics.mean(differences[end - 50:end]) for end in range(50, len(differences) + 1)]
+        difference_axes.plot(range(50, len(differences) + 1), averaged, label=name, linewidth=1)
+    curve_axes.set(xlabel="step", ylabel="loss", title="cpu-small, 2 gloo ranks, Python stdlib sources")
+    difference_axes.set(xlabel="step", ylabel="loss - full precision's (50-step mean)")
+    curve_axes.legend()
     figure.savefig(out / "loss.png", dpi=100)
 
 
