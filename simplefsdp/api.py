@@ -14,12 +14,13 @@ from simplefsdp.passes.install import OverlapPasses, check_no_custom_post_pass, 
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.compile import check_compile_options, compile_in_place
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
-from simplefsdp.runtime.mesh import MODES, check_mesh, default_mesh
+from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
 from simplefsdp.runtime.quantize import Quantize
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
 from simplefsdp.runtime.sharding import (broadcast_buffers, check_not_sharded, check_same_model_on_all_ranks,
-                                         shard_parameters)
+                                         holds_values, shard_parameters)
+from simplefsdp.runtime.tensor_parallel import tensor_parallel_mesh
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -55,6 +56,9 @@ def compile_sharded(
     sinks waits. ``blocks`` names the repeated blocks (default: ``find_blocks(model)``). All-reduces (``replicate``,
     ``hybrid_shard``) are bucketed per block (``"auto"``) or by bytes as DDP's (``"block"``).
     ``quantize`` (``Quantize``) sends weights and gradients in low-bit formats (``fully_shard``).
+
+    FSDP x TP: apply ``parallelize_module(model, mesh_2d["tp"], plan)`` first, then pass ``mesh=mesh_2d["dp"]``;
+    TP's DTensor parameters are sharded over dp as well, and the passes touch only the data-parallel collectives.
     """
     arguments = {name: value for name, value in locals().items() if name not in ("model", "compile_options")}
     if mode not in MODES:
@@ -82,20 +86,25 @@ def compile_sharded(
                          "Quantize(..., error_feedback=False) or untie them")
     mesh = mesh if mesh is not None else default_mesh(mode)
     check_mesh(mesh, mode)
+    tp_mesh = tensor_parallel_mesh(model, mesh, mode)
+    if tp_mesh is not None and quantize is not None:
+        raise ValueError("quantize does not support tensor-parallel (DTensor) parameters yet; pass quantize=None "
+                         "with parallelize_module, or drop tensor parallelism to quantize")
     if passes:  # "auto" buckets are priced on the hardware this rank computes on
         overlap = OverlapPasses(buckets, reorder, prefetch, memory_budget, local_profile(mesh.device_type),
-                                find_blocks(model) if blocks is None else blocks)
+                                find_blocks(model) if blocks is None else blocks, data_parallel_groups(mesh))
         compile_options = inductor_options(overlap, compile_options)
 
     mp_policy = mp_policy or MixedPrecision()
-    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-    if not on_meta:  # a meta model gets its shards from materialize_sharded
+    values = holds_values(model)
+    if values:  # a meta model gets its shards from materialize_sharded; a fake one (inspect's) is only traced
         model.to(mesh.device_type)
     check_same_model_on_all_ranks(model, mesh)
-    if not on_meta:
+    if values:
         broadcast_buffers(model, mesh)
     replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,
-                                     reshard_after_forward and mode != "replicate", quantize)
+                                     reshard_after_forward=reshard_after_forward and mode != "replicate",
+                                     quantize=quantize, tensor_parallel=tp_mesh)
     shard_parameters(model, mesh, mode, replicate)
     if mp_policy.param_dtype is not None:
         cast_floating_inputs(model, mp_policy.param_dtype)

@@ -73,6 +73,8 @@ def _sharding() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--activation-checkpointing", default="none", choices=AC_MODES, help="per transformer block")
     parser.add_argument("--mode", default="fully_shard", choices=MODES)
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel degree: mesh (ranks // tp, tp), fully_shard over dp, Megatron TP (1)")
     parser.add_argument("--no-reshard", dest="reshard_after_forward", action="store_false",
                         help="keep gathered parameters from forward to backward")
     parser.add_argument("--buckets", type=_choice(BUCKETS, "bucket mode"), default="auto", metavar="{auto,block,none}",
@@ -130,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--hardware", default="h100", help=f"{', '.join(PROFILE_NAMES)}, or a profile JSON path")
     command.add_argument("--replica-groups", type=int, default=1,
                          help="price train --fault-tolerant: groups of --world-size ranks averaging after backward")
+    command.add_argument("--device", default=None, choices=inspection.DEVICES,
+                         help="trace on meta (any torch) or fake CUDA tensors (a CUDA build and a GPU; no GPU memory); "
+                              "default cuda for a GPU --hardware where a GPU is visible, else meta")
     command.add_argument("--out", default=None, help="folder for each stage's graphs, plan.txt, summary.txt, "
                          "summary.json, timeline.png (with matplotlib) and trace.json")
     command.set_defaults(run=inspection.run)

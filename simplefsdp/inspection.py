@@ -1,13 +1,14 @@
 """``simplefsdp.inspect`` and ``simplefsdp inspect``: trace a sharded model in one process and predict its step.
 
-A meta-device copy (nothing allocated: Llama 3 8B on 512 ranks fits on a laptop) is sharded by
-``compile_sharded`` over a fake process group, traced, and run through ``OverlapPasses.stages``, the passes'
-one code path; the report keeps the graphs, plans and prediction of every stage.
+A copy with no data (nothing allocated: Llama 3 8B on 512 ranks fits on a laptop), on the meta device or of fake
+CUDA tensors, is sharded by ``compile_sharded`` over a fake process group, traced, and run through
+``OverlapPasses.stages``, the passes' one code path; the report keeps the graphs, plans and prediction of every stage.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import itertools
@@ -18,7 +19,9 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode  # private: fake CUDA tensors, no GPU memory
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from simplefsdp import plots
 from simplefsdp.api import compile_sharded
@@ -28,14 +31,15 @@ from simplefsdp.ir.hardware import HardwareProfile, get_profile
 from simplefsdp.ir.render import chrome_trace, stage_table, text_summary
 from simplefsdp.ir.schedule import Schedule
 from simplefsdp.ir.simulator import Prediction, simulate
-from simplefsdp.models.llama import build_model, get_config
+from simplefsdp.models.llama import Llama, build_model, get_config
+from simplefsdp.models.llama_tp import check_tensor_parallel, tensor_parallel_plan
 from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan, find_blocks
 from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.passes.reorder import ReorderPlan
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.runtime.fake_world import fake_world
-from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES
+from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES, check_tensor_parallel_world, data_parallel_groups
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 from simplefsdp.runtime.quantize import Quantize, quantize_option
 from simplefsdp.runtime.sharding import check_not_sharded
@@ -64,7 +68,7 @@ _PLAN_HEADINGS = {"bucketed": "bucket plan", "reordered": "reorder plan"}
 @dataclass
 class InspectReport:
     """The step at each stage of the passes, ``traced`` first; ``forward``, ``backward`` and ``prediction`` are the
-    last stage's, the graphs that run. ``tokens``: tokens per step per device, from the example input."""
+    last stage's, the graphs that run. ``tokens``: tokens per step per device, from the example input (over tp)."""
 
     title: str
     stages: list[InspectStage]
@@ -181,44 +185,64 @@ def inspect(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     quantize: Quantize | None = None,
     replica_groups: int = 1,
+    device: str | None = None,
+    tp: int = 1,
+    tp_plan: dict[str, ParallelStyle] | None = None,
 ) -> InspectReport:
     """Trace ``model`` as ``compile_sharded`` shards it on ``world_size`` ranks (default 1), run our passes, predict.
 
-    Meta-device copies on a fake process group; ``model`` is not changed. ``hardware``: a profile name (``h100``,
+    Copies with no data on a fake process group; ``model`` is not changed. ``device``: ``"meta"`` (any torch;
+    attention traced as the flash kernel a GPU runs) or ``"cuda"`` (fake CUDA tensors: the ops, casts and attention
+    kernel that dispatch picks on this machine's GPU; needs a CUDA build of torch and a CUDA device, no GPU memory);
+    default ``"cuda"`` for a GPU ``hardware`` profile where a CUDA device is present, else ``"meta"``. ``hardware``:
+    a profile name (``h100``,
     ``a100``, ``cpu``), a JSON path or a ``HardwareProfile``; it also prices ``buckets="auto"``. The pass options
     and ``quantize`` are ``compile_sharded``'s. ``dynamic`` traces sizes as symbols, priced at ``example_inputs``'
     sizes.
     ``activation_checkpointing`` (``none``, ``selective``, ``full``) checkpoints each of ``model.layers`` as ``train``.
     ``loss_fn(output, *example_inputs)``, when given, is traced after the model, so the step includes its loss.
     ``replica_groups`` > 1 prices ``train --fault-tolerant``: that many groups of ``world_size`` ranks, whose gradient
-    shards are averaged across groups after backward.
+    shards are averaged across groups after backward. ``tp`` > 1 prices FSDP x TP on a ``(world_size // tp, tp)``
+    mesh: ``parallelize_module`` with ``tp_plan`` (default: the reference Llama's, ``models/llama_tp.py``) over tp,
+    then ``fully_shard`` over dp.
     """
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size
-    mesh_shape = _mesh_shape(mode, world_size, profile.devices_per_node)
+    mesh_shape = _mesh_shape(mode, world_size, profile.devices_per_node, tp)
+    if tp > 1:
+        tp_plan = tp_plan or _llama_plan(model, tp)
     check_pass_options(model, buckets, reorder, prefetch, memory_budget)
     check_not_sharded(model)
+    device = check_device(profile, device)
     mp_policy = mp_policy or MixedPrecision()
-    meta_model = _meta_copy(model)
-    if activation_checkpointing != "none" and not hasattr(meta_model, "layers"):
+    # Fake CUDA tensors belong to one FakeTensorMode; meta tensors need none.
+    with FakeTensorMode() if device == "cuda" else contextlib.nullcontext():
+        copy_model = _empty_copy(model, device)
+        copy_inputs = tuple(_empty(x, device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    if activation_checkpointing != "none" and not hasattr(copy_model, "layers"):
         raise ValueError(f"activation_checkpointing={activation_checkpointing!r} checkpoints each block of model."
                          f"layers, and {type(model).__name__} has no layers; pass activation_checkpointing='none'")
-    apply_activation_checkpointing(getattr(meta_model, "layers", []), activation_checkpointing)
+    apply_activation_checkpointing(getattr(copy_model, "layers", []), activation_checkpointing)
     if loss_fn is not None:  # the copy's forward, as checkpointing wraps a block's: module names do not change
-        meta_model.forward = functools.partial(_forward_and_loss, meta_model.forward, loss_fn)
-    meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
-                        for x in example_inputs)
-    passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile, find_blocks(model))
+        copy_model.forward = functools.partial(_forward_and_loss, copy_model.forward, loss_fn)
     with fake_world(world_size):
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
+        mesh_device = "cuda" if device == "cuda" else "cpu"
+        if tp > 1:
+            mesh_2d = init_device_mesh(mesh_device, mesh_shape, mesh_dim_names=("dp", "tp"))
+            parallelize_module(copy_model, mesh_2d["tp"], tp_plan)
+            mesh = mesh_2d["dp"]
+        else:
+            mesh = init_device_mesh(mesh_device, mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
+        passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile, find_blocks(model),
+                               data_parallel_groups(mesh))
         # Sharded by compile_sharded itself, so the graphs traced here are those that run.
-        compile_sharded(meta_model, mesh=mesh, mode=mode, mp_policy=mp_policy,
+        compile_sharded(copy_model, mesh=mesh, mode=mode, mp_policy=mp_policy,
                         reshard_after_forward=reshard_after_forward, compile=False, quantize=quantize)
-        graphs = capture_graphs(meta_model, meta_inputs, dynamic=dynamic)
+        graphs = capture_graphs(copy_model, copy_inputs, dynamic=dynamic, fused_attention=device == "meta")
         # The captured graphs are ours: the passes rewrite them in place, and each stage keeps its schedule.
         forward_stages = list(passes.stages(graphs.forward, "forward", graphs.param_fqns))
         backward_stages = list(passes.stages(graphs.backward, "backward", graphs.param_fqns))
-        grad_bytes = sum(p.to_local().numel() * p.element_size() for p in meta_model.parameters() if p.requires_grad)
+        grad_bytes = sum(p.to_local().numel() * p.element_size() for p in copy_model.parameters() if p.requires_grad)
     compute_dtype = mp_policy.param_dtype or next(model.parameters(), torch.empty(0)).dtype
     stages = [
         InspectStage(forward.name, forward.schedule, backward.schedule, forward.plan, backward.plan,
@@ -232,7 +256,8 @@ def inspect(
                                      profile)
         fault_tolerant = dict(replica_groups=replica_groups, all_reduce_bytes=grad_bytes, all_reduce_seconds=seconds,
                               step_seconds=stages[-1].prediction.step_time + seconds)
-    return InspectReport(title, stages, profile, _tokens(example_inputs), fault_tolerant)
+    # the ranks of a tensor-parallel group compute on the same tokens
+    return InspectReport(title, stages, profile, _tokens(example_inputs) // tp, fault_tolerant)
 
 
 def _tokens(example_inputs: tuple) -> int:
@@ -241,12 +266,15 @@ def _tokens(example_inputs: tuple) -> int:
     return first.numel() if not first.is_floating_point() or first.dim() == 0 else first.numel() // first.shape[-1]
 
 
-def _mesh_shape(mode: str, world_size: int, devices_per_node: int) -> tuple[int, ...]:
-    """The mesh ``mode`` uses on ``world_size`` ranks: 1-D, or (nodes, ranks per node) for hybrid_shard."""
+def _mesh_shape(mode: str, world_size: int, devices_per_node: int, tp: int = 1) -> tuple[int, ...]:
+    """The mesh ``mode`` uses on ``world_size`` ranks: 1-D, (nodes, ranks per node) for hybrid_shard, (dp, tp)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}; pass e.g. world_size=8")
+    check_tensor_parallel_world(world_size, tp, mode)
+    if tp > 1:
+        return (world_size // tp, tp)
     if mode != "hybrid_shard":
         return (world_size,)
     per_node = min(devices_per_node, world_size)
@@ -256,12 +284,47 @@ def _mesh_shape(mode: str, world_size: int, devices_per_node: int) -> tuple[int,
     return (world_size // per_node, per_node)
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers live on the meta device (nothing allocated)."""
+DEVICES = ("meta", "cuda")
+
+
+def check_device(profile: HardwareProfile, device: str | None = None) -> str:
+    """``device``, or the default for ``profile`` (``cuda`` for a GPU profile where a CUDA device is present, else
+    ``meta``); ``ValueError`` naming the fix when this torch cannot trace it."""
+    if device is None:
+        return "cuda" if profile.name != "cpu" and torch.cuda.is_available() else "meta"
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; choose one of: {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.backends.cuda.is_built():
+        raise ValueError(f"device='cuda' traces fake CUDA tensors and this torch {torch.__version__} is a CPU-only "
+                         "build; install a CUDA build (pip install torch==2.14.1 from PyPI) or pass device='meta'")
+    if device == "cuda" and not torch.cuda.is_available():
+        # Autograd reads the CUDA context even for fake CUDA tensors (pytorch/pytorch#92627).
+        raise ValueError("device='cuda' needs a CUDA device (any GPU; fake tensors allocate no GPU memory): "
+                         "PyTorch's autograd engine reads the CUDA context even for fake tensors, and this machine "
+                         "has none; run where a GPU is visible or pass device='meta'")
+    return device
+
+
+def _llama_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
+    """The reference Llama's TP plan for ``model``, checked for ``tp`` ranks; ``ValueError`` for another model."""
+    if not isinstance(model, Llama):
+        raise ValueError(f"tp={tp} needs a tp_plan for {type(model).__name__} (module FQN -> ParallelStyle, as "
+                         "parallelize_module takes); only the reference Llama has a default")
+    check_tensor_parallel(model.config, tp)
+    return tensor_parallel_plan(model.config)
+
+
+def _empty(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    """An empty tensor like ``tensor`` on ``device`` (fake under an active ``FakeTensorMode``)."""
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+
+
+def _empty_copy(model: nn.Module, device: str) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are empty tensors on ``device`` (nothing allocated)."""
     memo = {}
     for tensor in itertools.chain(model.parameters(), model.buffers()):
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+        empty = _empty(tensor, device)
+        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
     return copy.deepcopy(model, memo)
 
 
@@ -277,7 +340,7 @@ def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    """Trace the named model on the meta device, run the passes, print the summary, write the files to ``--out``."""
+    """Trace the named model with no data (``--device``), run the passes, print the summary, write ``--out``."""
     config = get_config(args.model)
     seq_len = args.seq_len or config.max_seq_len
     if args.batch_size < 1 or not 1 <= seq_len <= config.max_seq_len:
@@ -286,10 +349,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     with torch.device("meta"):
         model = build_model(args.model, n_layers=args.layers)
     tokens = torch.zeros(args.batch_size, seq_len, dtype=torch.long, device="meta")
-    title = (f"{args.model}{f' (layers={args.layers})' if args.layers else ''}, {args.mode}, world {args.world_size}, hardware {args.hardware}, "
-             f"{args.batch_size}x{seq_len} tokens per rank, params {str(args.param_dtype).removeprefix('torch.')}, "
-             f"activation checkpointing {args.activation_checkpointing}")
     try:
+        device = check_device(get_profile(args.hardware), args.device)
+        name = f"{args.model} (layers={args.layers})" if args.layers else args.model
+        layout, per = (f"tp {args.tp}, ", "tp group") if args.tp > 1 else ("", "rank")
+        title = (f"{name}, {args.mode}, world {args.world_size}, {layout}hardware {args.hardware}, "
+                 f"{args.batch_size}x{seq_len} tokens per {per}, params {str(args.param_dtype).removeprefix('torch.')},"
+                 f" activation checkpointing {args.activation_checkpointing}, traced on {device}")
         report = inspect(
             model, (tokens,), world_size=args.world_size, mode=args.mode, hardware=args.hardware,
             mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
@@ -297,7 +363,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
             activation_checkpointing=args.activation_checkpointing, loss_fn=_next_token_loss,
             quantize=quantize_option(args.quantize_gather, args.quantize_reduce, args.error_feedback),
-            replica_groups=args.replica_groups)
+            replica_groups=args.replica_groups, device=device, tp=args.tp)
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None
     print(report.summary(), end="")

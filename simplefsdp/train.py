@@ -13,13 +13,15 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import plots
 from simplefsdp.api import compile_sharded
 from simplefsdp.data import load_tokens, rank_batch, step_seq_len
 from simplefsdp.ir.hardware import cpu_profile
 from simplefsdp.mfu import peak_flops_per_second, step_flops
-from simplefsdp.models.llama import build_model
+from simplefsdp.models.llama import build_model, get_config
+from simplefsdp.models.llama_tp import check_tensor_parallel, parallelize_llama
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -27,7 +29,7 @@ from simplefsdp.runtime.clip_grad import clip_grad_norm_
 from simplefsdp.runtime.compile import compiled_graphs, graph_cache_hits
 from simplefsdp.runtime.fault_tolerance import INSTALL, ReplicaGroup
 from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks, launch_replica_groups
-from simplefsdp.runtime.mesh import init_distributed
+from simplefsdp.runtime.mesh import check_tensor_parallel_world, device_type, init_distributed
 from simplefsdp.runtime.meta_init import materialize_sharded
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 from simplefsdp.runtime.quantize import quantize_option
@@ -55,6 +57,21 @@ def check_arguments(args: argparse.Namespace) -> None:
         fail(f"--plot {args.plot}: {reason}")
     if args.fault_tolerant and (reason := fault_tolerant_problem(args)):
         fail(reason)
+    if args.tp != 1 and (reason := tensor_parallel_problem(args)):
+        fail(reason)
+
+
+def tensor_parallel_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--tp`` cannot run as asked (with the fix), or None."""
+    world = int(os.environ["WORLD_SIZE"]) if is_launched_rank() else args.nproc
+    try:
+        check_tensor_parallel_world(world, args.tp, args.mode)
+        check_tensor_parallel(get_config(args.model), args.tp)
+    except ValueError as error:
+        return f"--tp {args.tp}: {error}"
+    if args.fault_tolerant or args.init_on_meta:
+        return f"--tp {args.tp} does not combine with --fault-tolerant or --init-on-meta yet; drop one of them"
+    return None
 
 
 def fault_tolerant_problem(args: argparse.Namespace) -> str | None:
@@ -105,9 +122,15 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     if not args.init_on_meta:
         torch.manual_seed(args.seed)
         model.init_weights()
+    mesh = None
+    if args.tp > 1:  # TP first, as torchtitan: the plan names the modules before checkpointing wraps them
+        mesh_2d = init_device_mesh(device_type(), (dist.get_world_size() // args.tp, args.tp),
+                                   mesh_dim_names=("dp", "tp"))
+        parallelize_llama(model, mesh_2d["tp"])
+        mesh = mesh_2d["dp"]
     apply_activation_checkpointing(model.layers, args.activation_checkpointing)
     compile_sharded(
-        model, mode=args.mode, mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
+        model, mesh=mesh, mode=args.mode, mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
         reshard_after_forward=args.reshard_after_forward, compile=args.compile, backend=args.backend,
         buckets=args.buckets, reorder=args.reorder, prefetch=args.prefetch, memory_budget=args.memory_budget,
         quantize=quantize_option(args.quantize_gather, args.quantize_reduce, args.error_feedback),
@@ -129,20 +152,25 @@ def train(args: argparse.Namespace) -> None:
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args)
+    dp_rank, dp_world = rank // args.tp, world // args.tp  # a tensor-parallel group trains one batch
     num_params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # fused: one kernel per step instead of a dozen foreach ops, each paying DTensor's dispatch (torchtitan's default)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     replicas = ReplicaGroup(model, optimizer, args.replica_group, args.replica_groups, args.lighthouse) \
         if args.fault_tolerant else None
-    data_rank, data_world = (args.replica_group * world + rank, args.replica_groups * world) if replicas else (rank, world)
+    data_rank, data_world = ((args.replica_group * world + rank, args.replica_groups * world) if replicas
+                             else (dp_rank, dp_world))
     tokens = load_tokens(args.data, args.seed)
     device = next(model.parameters()).device
     say = print_line if rank == 0 else (lambda *_, **__: None)
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * dp_world
     flops_per_step, peak = (step_flops(args.model, args.layers, args.batch_size, args.seq_len) * args.grad_accum
-                            * world, peak_flops_per_second(device, args.param_dtype or torch.float32)
+                            * dp_world, peak_flops_per_second(device, args.param_dtype or torch.float32)
                             ) if rank == 0 else (0, None)
-    say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params in {len(model.layers)} layers) on {world} rank(s), mode {args.mode}, "
-        f"{args.grad_accum} x {args.batch_size}x{args.seq_len} tokens per rank per step")
+    layout = f"mesh (dp {dp_world}, tp {args.tp})" if args.tp > 1 else f"mode {args.mode}"
+    say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params in {len(model.layers)} layers) on {world} "
+        f"rank(s), {layout}, {args.grad_accum} x {args.batch_size}x{args.seq_len} tokens per "
+        f"{'dp ' * (args.tp > 1)}rank per step")
 
     start = 0
     if args.resume:

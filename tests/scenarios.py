@@ -70,6 +70,37 @@ def update_bound(initial: torch.Tensor, update: torch.Tensor) -> float:
     return FORWARD_BACKWARD_BOUND + 2 * STEPS * U * initial.norm().item() / update.norm().clamp_min(1e-30).item()
 
 
+def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Norm-wise relative difference ``|actual - expected| / |expected|``."""
+    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30)).item()
+
+
+def assert_matches_reference(scenario: str, world: int, losses: list[float], rank_params: list[dict]) -> float:
+    """Assert that the global mean loss of each step and every rank's parameter updates (``p_final - p_init``: the
+    parameters' own size would hide errors) are within fp32 rounding of one process training the global batch of
+    ``world`` data-parallel ranks; return the largest update difference as a fraction of its bound."""
+    ref_losses, ref_params = train_reference(scenario, world)
+    initial = dict(build(scenario).named_parameters())
+    assert len(losses) == len(ref_losses)
+    for step, (loss, ref) in enumerate(zip(losses, ref_losses)):
+        # a loss is a forward (part of the forward+backward bound) on parameters that differ by an lr-sized
+        # multiple of it, which moves the loss by far less
+        assert abs(loss - ref) <= FORWARD_BACKWARD_BOUND * abs(ref), f"step {step}: loss {loss} vs reference {ref}"
+    worst = 0.0
+    for params in rank_params:
+        assert params.keys() == ref_params.keys()
+        for name, ref in ref_params.items():
+            start = initial[name].detach()
+            ref_update, update = ref - start, params[name] - start
+            if not initial[name].requires_grad:
+                assert torch.equal(update, ref_update), f"frozen {name} changed"
+                continue
+            difference, bound = relative_difference(update, ref_update), update_bound(start, ref_update)
+            assert difference <= bound, f"{name}: update differs by {difference:.2e} (bound {bound:.2e})"
+            worst = max(worst, difference / bound)
+    return worst
+
+
 class TwoLinears(nn.Module):
     """Two linear layers as a user writes them: a module class of the user's own."""
 

@@ -83,3 +83,15 @@ def test_checkpointing_saves_fewer_activations_under_compile():
 def test_unknown_mode_is_rejected():
     with pytest.raises(ValueError, match="unknown activation checkpointing mode 'some'"):
         apply_activation_checkpointing([], "some")
+
+
+def test_selective_saves_every_fused_attention_kernel_sdpa_dispatches_to():
+    """An H100 dispatches to cuDNN attention (seen by inspect --device cuda); it is saved like flash, not recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from simplefsdp.runtime.activation_checkpoint import _save_matmuls
+
+    aten = torch.ops.aten
+    for kernel in (aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+                   aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_for_cpu):
+        assert _save_matmuls(None, kernel.default) == CheckpointPolicy.MUST_SAVE

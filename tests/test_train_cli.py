@@ -7,6 +7,7 @@ checkpoints and the launcher, not Inductor, and the machine has two cores.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,9 @@ def train(*options: str, kill: str | None = None, step_sleep: float = 0, timeout
         (["--resume"], "--resume needs --checkpoint-dir"),
         (["--max-norm", "-1"], "--max-norm must be positive"),
         (["--prefetch", "-1"], "prefetch must be a whole number of buckets"),
+        (["--nproc", "2", "--tp", "3"], "--tp 3: tp=3 must be a positive int dividing the world size 2"),
+        (["--nproc", "4", "--tp", "4"], r"--tp 4: .* needs n_kv_heads \(2\) divisible by 4"),
+        (["--nproc", "4", "--tp", "2", "--mode", "hybrid_shard"], "composes with mode='fully_shard' only"),
     ],
 )
 def test_bad_input_is_rejected_before_any_rank_starts(options, message):
@@ -86,3 +90,23 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_which_resumes_exac
     assert sum(isinstance(value, torch.Tensor) for value in expected) > 3 * 21  # parameters and AdamW moments
     for index, (want, got) in enumerate(zip(expected, actual)):
         assert torch.equal(want, got) if isinstance(want, torch.Tensor) else want == got, index
+
+
+def _losses_and_norms(job: subprocess.CompletedProcess) -> dict[int, tuple[float, float]]:
+    """Step -> (loss, grad norm) as the job printed them."""
+    assert job.returncode == 0, job.stderr
+    lines = [line.split() for line in job.stdout.splitlines() if line.startswith("step ")]
+    return {int(words[1].split("/")[0]): (float(words[3]), float(words[-1])) for words in lines}
+
+
+def test_a_tp_checkpoint_resumes_without_tp_where_tp_went_on(tmp_path):
+    """dp 2 x tp 2 saves at step 2 and trains step 3; 2 data-parallel ranks resume from that checkpoint (DCP
+    reshards the (dp, tp) DTensors) and train the same step 3 on the same global batch: the same printed loss and
+    gradient norm (4 decimals; the layouts differ by fp32 rounding only)."""
+    tensor_parallel = _losses_and_norms(train("--nproc", "4", "--tp", "2", "--steps", "3", "--checkpoint-dir",
+                                              str(tmp_path), "--checkpoint-every", "2"))
+    shutil.rmtree(checkpoint_path(tmp_path, 3))  # resume from step 2
+    resumed = _losses_and_norms(train("--steps", "3", "--checkpoint-dir", str(tmp_path), "--resume"))
+    assert tensor_parallel.keys() == {1, 2, 3} and resumed.keys() == {3}
+    loss, norm = tensor_parallel[3]
+    assert resumed[3][0] == pytest.approx(loss, abs=1e-4) and resumed[3][1] == pytest.approx(norm, abs=1e-3)

@@ -38,7 +38,7 @@ def build(contender: Contender, args: argparse.Namespace) -> tuple[nn.Module, to
     """The model built from ``--seed`` and wrapped by ``contender``, with its optimizer."""
     torch.manual_seed(args.seed)
     model = contender.wrap(build_model(args.model, n_layers=args.layers).to(device_type()), args)
-    return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)  # as train (torchtitan's default)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
@@ -195,7 +195,7 @@ def measure(args: argparse.Namespace) -> dict | None:
         "parameters": sum(p.numel() for p in build_model(args.model, n_layers=args.layers).parameters()),
         **{name: str(dtype).removeprefix("torch.") if dtype else None
            for name, dtype in (("param_dtype", args.param_dtype), ("reduce_dtype", args.reduce_dtype))},
-        "compile_backend": args.backend, "optimizer": f"AdamW(lr={args.lr})", "methods": METHODS,
+        "compile_backend": args.backend, "optimizer": f"AdamW(lr={args.lr}, fused=True)", "methods": METHODS,
         "rows": list(rows.values()),
     }
 

@@ -2,11 +2,12 @@
 
 AOTAutograd runs with Inductor's decompositions and min-cut partitioner, so the split, checkpoint tags, saved tensors,
 collectives and their order are an Inductor compile's; Inductor's post-grad pattern passes are not run, so elementwise
-ops stay unfused. On meta tensors nothing is allocated. Private details used only here: AOTAutograd's input
+ops stay unfused. On meta or fake tensors nothing is allocated. Private details used only here: AOTAutograd's input
 descriptors (``node.meta["desc"]``), its ``_boxed_call`` marker, and ``aten._scaled_dot_product_flash_attention``."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch.utils._pytree import tree_flatten
 
@@ -102,10 +104,12 @@ def fx_backend(on_graph: Callable[[str, fx.GraphModule], None] | None = None,
 def run_boxed(gm: fx.GraphModule) -> Callable[[list], object]:
     """Run ``gm`` by ``fx.Interpreter`` with the boxed calling convention, freeing tensors as early as Inductor does.
 
-    A fresh interpreter per call: one keeps the values of its last run (the forward's saved tensors) until the next."""
+    A fresh interpreter per call: one keeps the values of its last run (the forward's saved tensors) until the next.
+    On fake inputs the graph runs in their ``FakeTensorMode``, so its factory ops allocate nothing either."""
 
     def run(args: list) -> object:
-        return fx.Interpreter(gm).boxed_run(args)
+        with detect_fake_mode(args) or contextlib.nullcontext():
+            return fx.Interpreter(gm).boxed_run(args)
 
     run._boxed_call = True  # AOTAutograd's (private) marker for a boxed callable
     return run

@@ -76,7 +76,8 @@ class GraphInput:
 @dataclass
 class Schedule:
     """One graph (``phase`` is ``"forward"`` or ``"backward"``) read into ordered nodes and a ``networkx`` DAG;
-    ``symbols`` maps each symbolic size of the graph's inputs to the hint its sizes were read at."""
+    ``symbols`` maps each symbolic size of the graph's inputs to the hint its sizes were read at;
+    ``data_parallel_groups`` names the process groups our passes may bucket and move collectives of (empty: all)."""
     phase: str
     inputs: list[GraphInput]
     nodes: list[ScheduleNode]
@@ -84,6 +85,7 @@ class Schedule:
     code: str
     dag: nx.DiGraph = field(repr=False)
     symbols: dict[str, int] = field(default_factory=dict)
+    data_parallel_groups: tuple[str, ...] = ()
 
     def node(self, name: str) -> ScheduleNode:
         """The node called ``name``; ``KeyError`` when there is none."""
@@ -92,8 +94,14 @@ class Schedule:
     def collectives(self) -> list[ScheduleNode]:
         return [node for node in self.nodes if node.kind == COLLECTIVE]
 
+    def data_parallel_collectives(self) -> list[ScheduleNode]:
+        """The collectives on ``data_parallel_groups``, program order: not tensor parallelism's."""
+        groups = self.data_parallel_groups
+        return [node for node in self.collectives() if not groups or node.collective.group_name in groups]
 
-def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | None = None) -> Schedule:
+
+def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | None = None,
+                  data_parallel_groups: tuple[str, ...] = ()) -> Schedule:
     """Read ``gm`` into a ``Schedule``; ``param_fqns`` maps placeholder names to the FQNs of the parameters in them."""
     param_fqns = param_fqns or {}
     inputs, nodes, outputs = [], [], []
@@ -111,7 +119,7 @@ def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | N
             nodes.append(node)
             dag.add_node(node.name, node=node)
             dag.add_edges_from((source, node.name) for source in node.inputs if source in dag)
-    return Schedule(phase, inputs, nodes, outputs, gm.code, dag, _symbols(gm))
+    return Schedule(phase, inputs, nodes, outputs, gm.code, dag, _symbols(gm), data_parallel_groups)
 
 
 def _symbols(gm: fx.GraphModule) -> dict[str, int]:
@@ -127,9 +135,18 @@ class _Call(NamedTuple):  # the op a node runs, its arguments as nodes of the no
     kwargs: dict
 
 
+# AOTAutograd's wrappers of a random op it replays (on CUDA: attention with dropout): wrapper -> index of the op.
+_RNG_WRAPPERS = {torch.ops.higher_order.graphsafe_run_with_rng_state: 0, torch.ops.higher_order.run_with_rng_state: 1}
+
+
 def _call(fx_node: fx.Node) -> _Call:
     """What ``fx_node`` runs. A node pinned by Inductor's ``control_deps`` (``passes.inductor_internals.pin_order``)
-    runs the one op of its subgraph; that op is returned with the pinned node's arguments."""
+    runs the one op of its subgraph; that op is returned with the pinned node's arguments. A node wrapped to replay
+    its random numbers runs the wrapped op."""
+    if fx_node.target in _RNG_WRAPPERS:
+        index = _RNG_WRAPPERS[fx_node.target]
+        kwargs = {name: value for name, value in fx_node.kwargs.items() if name != "rng_state"}
+        return _Call(fx_node.args[index], fx_node.args[index + 1:], kwargs)
     if fx_node.target is not control_deps:
         return _Call(fx_node.target, fx_node.args, fx_node.kwargs)
     subgraph = getattr(fx_node.graph.owning_module, fx_node.args[1].target).graph

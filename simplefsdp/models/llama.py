@@ -102,9 +102,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = apply_rotary(self.wq(x).view(batch, seq, self.n_heads, self.head_dim), rope)
-        k = apply_rotary(self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim), rope)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism (models/llama_tp.py) a rank holds n_heads / tp of them
+        q = apply_rotary(self.wq(x).view(batch, seq, -1, self.head_dim), rope)
+        k = apply_rotary(self.wk(x).view(batch, seq, -1, self.head_dim), rope)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
         repeat = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)

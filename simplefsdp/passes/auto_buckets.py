@@ -41,7 +41,7 @@ def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budg
                       blocks: Sequence[str] = ()) -> BucketPlan:
     """Buckets for ``schedule`` by the module docstring's algorithm; ``compute_dtype`` (default: the dtype parameters
     are gathered in) sets the matmul rate."""
-    gathered = [node.collective.dtype for node in schedule.collectives() if node.collective.kind == "all_gather"]
+    gathered = [node.collective.dtype for node in bucketable(schedule, ("all_gather",))]
     compute_dtype = compute_dtype or (gathered[0] if gathered else None)
     computes = [node for node in schedule.nodes if node.kind == COMPUTE]
     by_block = group_collectives(schedule, block_names(schedule, bucketable(schedule, BUCKETED_KINDS), blocks))

@@ -79,8 +79,8 @@ def plan_buckets(schedule: Schedule, mode: BucketMode, blocks: Sequence[str] = (
 
 def bucketable(schedule: Schedule, kinds: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_to_all")
                ) -> list[ScheduleNode]:
-    """The collectives of ``kinds`` (default: all but all-reduces), program order."""
-    return [node for node in schedule.collectives() if node.collective.kind in kinds]
+    """The data-parallel collectives of ``kinds`` (default: all but all-reduces), program order."""
+    return [node for node in schedule.data_parallel_collectives() if node.collective.kind in kinds]
 
 
 def all_reduce_names(schedule: Schedule, memory_budget: int | None) -> dict[str, str]:

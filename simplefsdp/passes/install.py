@@ -35,13 +35,15 @@ class PassStage:
 
 class OverlapPasses(CustomGraphPass):
     """Bucket then reorder one graph, in place; ``plans`` collects each compiled graph's (bucket, reorder) plans.
-    ``blocks``: the model's repeated blocks (``bucket_plan.find_blocks``)."""
+    ``blocks``: the model's repeated blocks (``bucket_plan.find_blocks``); ``groups``: the data-parallel process
+    groups, whose collectives alone are bucketed and moved (empty: every group's)."""
 
     def __init__(self, buckets: BucketMode = "auto", reorder: bool = True, prefetch: int = 1,
                  memory_budget: int | None = None, hardware: str | HardwareProfile = "h100",
-                 blocks: Sequence[str] = ()) -> None:
+                 blocks: Sequence[str] = (), groups: Sequence[str] = ()) -> None:
         self.buckets, self.reorder, self.prefetch = buckets, reorder, prefetch
-        self.memory_budget, self.hardware, self.blocks = memory_budget, hardware, tuple(blocks)
+        self.memory_budget, self.hardware = memory_budget, hardware
+        self.blocks, self.groups = tuple(blocks), tuple(groups)
         self.plans: list[tuple[BucketPlan | None, ReorderPlan | None]] = []
 
     def __call__(self, graph: fx.Graph) -> None:
@@ -50,19 +52,19 @@ class OverlapPasses(CustomGraphPass):
 
     def stages(self, gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | None = None) -> Iterator[PassStage]:
         """Run the passes on ``gm`` in place, yielding its schedule before them and after each pass that is on."""
-        schedule = read_schedule(gm, phase, param_fqns)
+        schedule = read_schedule(gm, phase, param_fqns, self.groups)
         yield PassStage("traced", schedule, None)
         if self.buckets is not None:
             bucket_plan = self.plan_buckets(schedule)
             apply_buckets(gm.graph, bucket_plan)
             gm.recompile()
-            schedule = read_schedule(gm, phase, param_fqns)
+            schedule = read_schedule(gm, phase, param_fqns, self.groups)
             yield PassStage("bucketed", schedule, bucket_plan)
         if self.reorder:
             reorder_plan = plan_reorder(schedule, self.prefetch)
             apply_reorder(gm.graph, reorder_plan)
             gm.recompile()
-            yield PassStage("reordered", read_schedule(gm, phase, param_fqns), reorder_plan)
+            yield PassStage("reordered", read_schedule(gm, phase, param_fqns, self.groups), reorder_plan)
 
     def plan_buckets(self, schedule: Schedule) -> BucketPlan:
         if self.buckets == "auto":
@@ -71,7 +73,8 @@ class OverlapPasses(CustomGraphPass):
         return plan_buckets(schedule, self.buckets, self.blocks, self.memory_budget)
 
     def uuid(self) -> bytes:
-        options = (self.buckets, self.reorder, self.prefetch, self.memory_budget, self.hardware, self.blocks)
+        options = (self.buckets, self.reorder, self.prefetch, self.memory_budget, self.hardware, self.blocks,
+                   self.groups)
         digest = hashlib.sha256(repr(options).encode())
         for path in _SOURCES:
             digest.update(path.read_bytes())

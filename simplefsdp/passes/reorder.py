@@ -63,7 +63,7 @@ def plan_reorder(schedule: Schedule, prefetch: int = 1) -> ReorderPlan:
     """Prefetch all-gathers ``prefetch`` (0 or more) buckets ahead and sink every wait (see the module docstring)."""
     position = {node.name: index for index, node in enumerate(schedule.nodes)}
     waits = {node.waits_for: node for node in schedule.nodes if node.kind == WAIT}
-    collectives = [node for node in schedule.collectives() if node.name in waits]
+    collectives = [node for node in schedule.data_parallel_collectives() if node.name in waits]
     sinks = {node.name: _sink(schedule, waits[node.name], collectives, position) for node in collectives}
     all_gathers = [node for node in collectives if node.collective.kind == "all_gather"]
     prefetches = []

@@ -22,6 +22,7 @@ aten = torch.ops.aten
 SAVED_OPS = {
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
     aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,  # what SDPA dispatches to on an H100 (inspect --device cuda)
     aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
 

@@ -27,7 +27,7 @@ class GradientSync:
 
 def new_accumulator(param: torch.Tensor, device: str) -> torch.Tensor:
     """A memory-free leaf of ``param``'s full shape on ``device``; its ``.grad`` is the pending sum."""
-    return torch.zeros((), dtype=param.dtype, device=device).expand(param.shape).requires_grad_()
+    return param.new_zeros((), device=device).expand(param.shape).requires_grad_()  # fake when param is fake
 
 
 class _RouteGradient(torch.autograd.Function):

@@ -61,3 +61,17 @@ def check_mesh(mesh: DeviceMesh, mode: str) -> None:
         shape = "(replicas, shards)" if wanted == 2 else "(world_size,)"
         raise ValueError(f"mode={mode!r} needs a {wanted}-D mesh but got a {mesh.ndim}-D mesh of shape "
                          f"{tuple(mesh.shape)}; build one with init_device_mesh(device, {shape})")
+
+
+def data_parallel_groups(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The names of ``mesh``'s process groups, as collectives in a traced graph name them."""
+    return tuple(mesh.get_group(dim).group_name for dim in range(mesh.ndim))
+
+
+def check_tensor_parallel_world(world_size: int, tp: int, mode: str) -> None:
+    """Raise ``ValueError`` unless ``world_size`` ranks split into a ``(world_size // tp, tp)`` mesh for ``mode``."""
+    if not isinstance(tp, int) or tp < 1 or world_size % tp:
+        raise ValueError(f"tp={tp!r} must be a positive int dividing the world size {world_size} "
+                         f"(the mesh is (world // tp, tp)); pick a tp that divides {world_size}")
+    if tp > 1 and mode != "fully_shard":
+        raise ValueError(f"tensor parallelism composes with mode='fully_shard' only, got mode={mode!r}")

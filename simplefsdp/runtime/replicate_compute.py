@@ -1,9 +1,10 @@
 """The replicate-for-compute getter: how the forward reads a sharded parameter.
 
 Reading ``module.weight`` gathers the DTensor shard into a full local tensor (all-gather for ``Shard``, nothing for
-``Replicate``), cast to the compute dtype. Its backward turns the local gradient into a ``Partial("avg")`` DTensor and
-reduces it back to the parameter's placement: reduce-scatter, all-reduce, or both. With gradient sync off
-(``grad_sync.py``) the gradient goes to an accumulator instead.
+``Replicate``), cast to the compute dtype; a tensor-parallel parameter is gathered over dp only, into TP's own
+DTensor. Its backward turns the local gradient into a ``Partial("avg")`` DTensor and reduces it back to the
+parameter's placement: reduce-scatter, all-reduce, or both. With gradient sync off (``grad_sync.py``) the gradient
+goes to an accumulator instead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
@@ -46,6 +48,7 @@ class ReplicateComputation:
     reduce_dtype: torch.dtype | None
     reshard_after_forward: bool
     quantize: Quantize | None = None
+    tensor_parallel: DeviceMesh | None = None  # the mesh of TP's DTensors (``parallelize_module``), if any
     sync: GradientSync = field(default_factory=GradientSync, compare=False)
 
     def gather(self, param: DTensor, error: torch.Tensor | None) -> torch.Tensor:
@@ -59,6 +62,11 @@ class ReplicateComputation:
         if self.quantize is not None and ndim == 1 and param.placements[0].is_shard() and param.is_floating_point():
             return quantized_replicate(param, error, self.quantize, self.param_dtype, self.reduce_dtype)
         grad_placements = [Partial("avg")] * ndim
+        if self.tensor_parallel is not None and ndim == 2:  # (dp, tp): gather over dp, keep TP's shard
+            tp_placement = param.placements[1]
+            full = param.redistribute(placements=[Replicate(), tp_placement], forward_dtype=self.param_dtype,
+                                      backward_dtype=self.reduce_dtype)
+            return full.to_local(grad_placements=[Partial("avg"), tp_placement])
         if ndim == 2:
             # The no-op redistribute's backward all-reduces the shard's gradient over the replicas.
             unchanged = param.redistribute(param.device_mesh, param.placements, backward_dtype=self.reduce_dtype)
@@ -71,8 +79,13 @@ class ReplicateComputation:
         return full.to_local(grad_placements=grad_placements)
 
     def compute_view(self, param: DTensor, accumulator: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
-        """The gathered parameter; with sync off its gradient goes to ``accumulator`` unreduced."""
-        return route_gradient(self.gather(param, error), accumulator, self.sync)
+        """The gathered parameter (TP's DTensor for a TP parameter); with sync off its gradient goes to
+        ``accumulator`` unreduced."""
+        full = route_gradient(self.gather(param, error), accumulator, self.sync)
+        if self.tensor_parallel is None or param.device_mesh.ndim == 1:
+            return full
+        return DTensor.from_local(full, self.tensor_parallel, param.placements[1:], run_check=False, shape=param.shape,
+                                  stride=param.stride())
 
     def __call__(self, param: DTensor, accumulator: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
         if self.reshard_after_forward:

@@ -6,11 +6,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch._subclasses.fake_tensor import is_fake  # private: the only test for a fake tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from simplefsdp.runtime.grad_sync import new_accumulator
 from simplefsdp.runtime.quantize import new_error_buffer
 from simplefsdp.runtime.replicate_compute import ReplicateComputation, install_getters
+from simplefsdp.runtime.tensor_parallel import shard_tensor_parallel
 
 
 # Where a parameter lives between steps, by mode: sharded on dim 0, replicated, or both (hybrid).
@@ -18,11 +20,18 @@ PLACEMENTS = {"fully_shard": (Shard(0),), "replicate": (Replicate(),), "hybrid_s
 
 
 def check_not_sharded(module: nn.Module) -> None:
-    """Raise ``ValueError`` if ``module`` or any parameter in it was already sharded."""
-    for name, param in module.named_parameters():
-        if isinstance(param, DTensor):
+    """Raise ``ValueError`` if ``compile_sharded`` was applied to ``module`` or a submodule (TP's DTensors are fine)."""
+    for prefix, submodule in module.named_modules():
+        if "_class_without_getters" in vars(submodule):
+            name = f"{prefix}.{next(iter(submodule._grad_accumulators))}".lstrip(".")
             raise ValueError(f"parameter {name!r} is already a DTensor: compile_sharded was applied to this module "
                              "(or a submodule) before; apply it once, to the outermost module")
+
+
+def holds_values(module: nn.Module) -> bool:
+    """False when any parameter or buffer of ``module`` is on the meta device or fake (inspect's): nothing to move or
+    broadcast (moving a fake CUDA tensor would even initialize CUDA)."""
+    return not any(t.is_meta or is_fake(t) for t in [*module.parameters(), *module.buffers()])
 
 
 def _fingerprint(module: nn.Module) -> list[str]:
@@ -61,7 +70,8 @@ def broadcast_buffers(module: nn.Module, mesh: DeviceMesh) -> None:
 def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: ReplicateComputation) -> None:
     """Replace each parameter by a DTensor parameter placed for ``mode`` and install the gathering getters.
 
-    Values come from the mesh's first rank. A tied parameter becomes one DTensor shared by the same modules.
+    Values come from the mesh's first rank. A tied parameter becomes one DTensor shared by the same modules. A
+    tensor-parallel DTensor (``parallelize_module``) becomes a DTensor on the (dp, tp) mesh (``tensor_parallel.py``).
     """
     sharded: dict[int, tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]] = {}
     for submodule in module.modules():
@@ -70,10 +80,12 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
             if param is None:
                 continue
             if id(param) not in sharded:
-                dtensor = distribute_tensor(param.detach(), mesh, PLACEMENTS[mode])
+                computed = param.to_local() if isinstance(param, DTensor) else param  # what the forward reads
+                dtensor = (shard_tensor_parallel(param, mesh) if isinstance(param, DTensor)
+                           else distribute_tensor(param.detach(), mesh, PLACEMENTS[mode]))
                 new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
                 error = new_error_buffer(param, mesh.size(), replicate.quantize, mesh.device_type)
-                sharded[id(param)] = (new_param, new_accumulator(param, mesh.device_type), error)
+                sharded[id(param)] = (new_param, new_accumulator(computed, mesh.device_type), error)
             submodule._parameters[name], accumulators[name], errors[name] = sharded[id(param)]
         if accumulators:
             install_getters(submodule, accumulators, errors, replicate)
