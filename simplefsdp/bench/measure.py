@@ -29,6 +29,10 @@ METHODS = {
     "collectives": "c10d::* operator events (process-group calls, barriers excluded) in the profiled step",
     "comm": "summed duration of the backend's own collective events (e.g. gloo:all_gather) in the profiled step, "
             "and its share of that step (the profiler slows the step)",
+    "wire": "bytes one rank sends in the profiled step, mean over ranks: each backend collective event's recorded "
+            "input bytes times its send factor on n ranks, n the world (ring algorithms): all-gather n-1, all-reduce "
+            "2(n-1)/n, reduce-scatter and all-to-all (n-1)/n, broadcast (n-1)/n (its root's n-1 averaged); gloo runs "
+            "a reduce-scatter as an all-reduce of the whole input, so it counts as one",
     "wait": "summed duration of _c10d_functional::wait_tensor events (compiled graphs; n/a for eager FSDP2 and DDP, "
             "whose Work.wait() the profiler does not record) in the profiled step, and its share of it",
 }
@@ -116,7 +120,7 @@ def profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.T
 
     gc.collect()
     before = torch.cuda.memory_allocated() if device_type() == "cuda" else 0
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
         model, optimizer = build(contender, args)
         for step in (1, 2):
             batch = step_batch(args, tokens, step)
@@ -128,10 +132,10 @@ def profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.T
                 train_step(model, optimizer, batch)
         cuda_peak = torch.cuda.max_memory_allocated() - before if device_type() == "cuda" else None
         del model, optimizer
-    counts = read_profile(prof, dist.get_backend())
+    counts = read_profile(prof, dist.get_backend(), dist.get_world_size())
     cpu_peak = counts.pop("peak_bytes")
-    peaks = gather([cpu_peak if cuda_peak is None else cuda_peak])
-    return {**counts, "peak_bytes_per_rank": int(peaks.max().item())}
+    peaks, sent = gather([cpu_peak if cuda_peak is None else cuda_peak, counts.pop("wire_bytes")]).T
+    return {**counts, "peak_bytes_per_rank": int(peaks.max().item()), "wire_bytes_per_rank": sent.mean().item()}
 
 
 def _failed(row: dict, error: Exception) -> None:

@@ -60,6 +60,11 @@ def _share(milliseconds: float | None, row: dict) -> str:
     return f"{milliseconds:.1f} ({100 * milliseconds / row['profiled_step_ms']:.0f}%)"
 
 
+def _wire(row: dict, ref: dict | None) -> str:
+    sent = row.get("wire_bytes_per_rank")  # absent from results saved before the column
+    return "n/a" if sent is None else f"{sent / 2**20:.2f} ({_ratio(sent, ref and ref.get('wire_bytes_per_rank'))})"
+
+
 def _workload(results: dict) -> str:
     return (f"{results['model']} on {results['world_size']} {results['process_group_backend']} rank(s), "
             f"{results['batch_size']}x{results['seq_len']} tokens per rank per step")
@@ -71,8 +76,8 @@ def format_table(results: dict) -> str:
     ok = {name: row for name, row in rows.items() if row["status"] == "ok"}
     ref, local = ok.get(REFERENCE), ok.get("local")
     header = ["contender", "step s (median)", "step s (q1–q3)", "step × FSDP2", "step × local", "tok/s/rank",
-              "peak MiB/rank", "mem × FSDP2", "collectives/step", "comm ms/step", "wait ms/step",
-              "warm-up s", "last loss", "Δ loss vs FSDP2"]
+              "peak MiB/rank", "mem × FSDP2", "collectives/step", "wire MiB/step (× FSDP2)",
+              "comm ms/step", "wait ms/step", "warm-up s", "last loss", "Δ loss vs FSDP2"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, row in rows.items():
         if row["status"] != "ok":
@@ -85,7 +90,8 @@ def format_table(results: dict) -> str:
             name, f"{median:.4f}", f"{row['step_time_s']['q1']:.4f}–{row['step_time_s']['q3']:.4f}",
             _ratio(median, ref and ref["step_time_s"]["median"]), _ratio(median, local and local["step_time_s"]["median"]),
             f"{row['tokens_per_s_per_rank']:,.0f}", f"{peak / 2**20:.1f}", _ratio(peak, ref and ref["peak_bytes_per_rank"]),
-            str(row["collectives_per_step"]), _share(row["comm_ms_per_step"], row), _share(row["wait_ms_per_step"], row),
+            str(row["collectives_per_step"]), _wire(row, ref),
+            _share(row["comm_ms_per_step"], row), _share(row["wait_ms_per_step"], row),
             f"{row['warmup_s']:.1f}", f"{row['last_loss']:.6f}", delta,
         ]
         lines.append("| " + " | ".join(cells) + " |")
