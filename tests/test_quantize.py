@@ -52,26 +52,81 @@ def test_bad_options_are_refused_before_anything_compiles():
                              ({"block_size": 0}, "block_size=0"), ({"beta": 1.0}, "beta=1.0")]:
         with pytest.raises(ValueError, match=message):
             Quantize(**options)
-    with pytest.raises(ValueError, match="mode='fully_shard'"):
+    with pytest.raises(ValueError, match="mode='fully_shard' or 'hybrid_shard'"):
         compile_sharded(nn.Linear(2, 2), mode="replicate", quantize=QUANTIZE)
     shared = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="tied parameters"):  # a compiled backward would add their error twice
         compile_sharded(nn.Sequential(shared, shared), quantize=QUANTIZE)
 
 
-def _hand_reduced(local_grad, error, world, rank):
-    """The reference exchange: every rank's rows of ``g + e`` quantized, this rank's row summed in fp32, averaged;
-    and this rank's new error buffer."""
-    values, padded = padded_rows(local_grad.shape, world, BLOCK)
+def _hand_exchange(sent, error):
+    """The reference exchange: row ``i`` of every rank's ``sent + error`` quantized and decoded on rank ``i``, summed
+    there in fp32; returns this rank's sum and its new error buffer."""
+    sent = sent + error
+    decoded = unpack_dequantize(quantize_pack(sent, QUANTIZE.reduce, BLOCK), QUANTIZE.reduce, BLOCK)
+    everyone = [torch.empty_like(decoded) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, decoded)
+    mine = sum(decoded_by[dist.get_rank()] for decoded_by in everyone)
+    return mine, QUANTIZE.beta * error + (1 - QUANTIZE.beta) * (sent - decoded)
+
+
+def _hand_reduced(local_grad, error, world, replicas=1):
+    """The gradient shard of this rank averaged over ``world`` shards, or over the world's ranks as ``replicas`` of
+    one shard each (the one-rank exchange skipped); and this rank's new error buffer."""
+    values, padded = padded_rows(local_grad.shape, world, BLOCK, replicas)
     rows = torch.zeros(world * values)
     rows[:local_grad.numel()] = local_grad.flatten()
-    sent = torch.nn.functional.pad(rows.reshape(world, values), (0, padded - values)) + error
-    decoded = unpack_dequantize(quantize_pack(sent, QUANTIZE.reduce, BLOCK), QUANTIZE.reduce, BLOCK)
-    everyone = [torch.empty_like(decoded) for _ in range(world)]
-    dist.all_gather(everyone, decoded)
-    mine = sum(decoded_by[rank] for decoded_by in everyone)[:values] / world
-    new_error = QUANTIZE.beta * error + (1 - QUANTIZE.beta) * (sent - decoded)
-    return mine, new_error
+    sent = torch.nn.functional.pad(rows.reshape(world, values), (0, padded - values))
+    if replicas == 1:
+        mine, new_error = _hand_exchange(sent, error)
+        return mine[:values] / world, new_error
+    chunks = sent.reshape(replicas, -1)  # each replica sums its chunk, then every replica decodes every chunk
+    reduced, chunk_error = _hand_exchange(chunks, error.reshape(chunks.shape))
+    packed = quantize_pack((reduced / replicas).reshape(1, -1), QUANTIZE.reduce, BLOCK)
+    everyone = [torch.empty_like(packed) for _ in range(replicas)]
+    dist.all_gather(everyone, packed)
+    decoded = unpack_dequantize(torch.cat(everyone), QUANTIZE.reduce, BLOCK).reshape(-1)
+    return decoded[:values], chunk_error.reshape(1, -1)
+
+
+def _batch(number, rank):
+    """Integer inputs and loss weights of step ``number`` on ``rank``."""
+    generator = torch.Generator().manual_seed(10 * number + rank)
+    return (torch.randint(-3, 4, shape, generator=generator).float() for shape in ((4, 16), (4, 33)))
+
+
+def _hybrid_steps(root):
+    """``hybrid_shard`` on 2 replicas of 1 shard: two steps' gradients and error buffers, whether every replica
+    holds the same gradient bits, and whether a checkpoint gives back the error buffers."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = compile_sharded(nn.Linear(16, 33), mesh=init_device_mesh("cpu", (2, 1)), mode="hybrid_shard",
+                            quantize=QUANTIZE, backend="aot_eager")
+    plain = nn.Linear(16, 33)
+    exact = same = True
+    for number in (1, 2):
+        errors = {name: error.to_local().clone() for name, error in error_feedback_state(model).items()}
+        x, weight = _batch(number, rank)
+        (model(x) * weight).sum().backward()
+        (plain(x) * weight).sum().backward()
+        for name, param in model.named_parameters():
+            expected, expected_error = _hand_reduced(dict(plain.named_parameters())[name].grad, errors[name], 1, 2)
+            exact &= torch.equal(param.grad.to_local().flatten(), expected)
+            exact &= torch.equal(error_feedback_state(model)[name].to_local(), expected_error)
+            everyone = [torch.empty_like(param.grad.to_local()) for _ in range(2)]
+            dist.all_gather(everyone, param.grad.to_local())
+            same &= torch.equal(*everyone)
+        model.zero_grad()
+        plain.zero_grad()
+    saved = {name: error.to_local().clone() for name, error in error_feedback_state(model).items()}
+    path = save_checkpoint(root, 2, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for error in error_feedback_state(model).values():
+        error.to_local().zero_()
+    zeroed = all(error.to_local().abs().sum() == 0 for error in error_feedback_state(model).values())
+    load_checkpoint(path, model)
+    loaded = zeroed and all(torch.equal(error.to_local(), saved[name]) and saved[name].abs().sum() > 0
+                 for name, error in error_feedback_state(model).items())
+    return exact, same, loaded
 
 
 def _quantized_steps(root):
@@ -84,8 +139,7 @@ def _quantized_steps(root):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(number):
-        generator = torch.Generator().manual_seed(10 * number + rank)
-        x, weight = (torch.randint(-3, 4, shape, generator=generator).float() for shape in ((4, 16), (4, 33)))
+        x, weight = _batch(number, rank)
         loss = (model(x) * weight).sum()
         with CountCollectives(any_dtype=True) as counter:
             loss.backward()
@@ -105,8 +159,7 @@ def _quantized_steps(root):
         errors = {name: error.to_local().clone() for name, error in error_feedback_state(model).items()}
         results["backward_collectives"] = step(number)
         for name, param in model.named_parameters():
-            expected, expected_error = _hand_reduced(dict(plain.named_parameters())[name].grad, errors[name], world,
-                                                     rank)
+            expected, expected_error = _hand_reduced(dict(plain.named_parameters())[name].grad, errors[name], world)
             results["exact"] &= torch.equal(param.grad.to_local().flatten(), expected[:param.to_local().numel()])
             results["exact"] &= torch.equal(error_feedback_state(model)[name].to_local(), expected_error)
         plain.zero_grad()
@@ -135,6 +188,8 @@ def _quantized_steps(root):
     inputs = [torch.randint(0, 256, (world, n), dtype=torch.uint8, generator=generator) for n in (3, 5, 8)]
     alone = [functional.wait_tensor(functional.all_to_all_single(t, splits, splits, group)) for t in inputs]
     results["bucket_exact"] = equal(all_to_all_bucket(inputs, splits, splits, group), alone)
+    hybrid = _hybrid_steps(f"{root}/hybrid")
+    results["hybrid_exact"], results["hybrid_replicas_equal"], results["hybrid_loaded"] = hybrid
     return results
 
 
@@ -149,30 +204,41 @@ def test_quantized_step_matches_the_hand_computed_exchange(tmp_path):
         assert result["loaded_exact"]  # weights and error buffers as saved, after a step that changed both
         assert result["resume_exact"]  # the step after loading reproduces the step after saving
         assert result["bucket_exact"]
+        assert result["hybrid_exact"]  # the cross-replica exchange as the hand reference, bitwise
+        assert result["hybrid_replicas_equal"]
+        assert result["hybrid_loaded"]
 
 
-def _passed_schedules(quantize):
+def _passed_schedules(quantize, mode="fully_shard", mesh_shape=(8,)):
     """The forward and backward schedules of an MLP with two repeated blocks on 8 fake ranks, after the block
     bucketing and reordering passes."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
                           nn.Linear(8, 8))
     passes = OverlapPasses("block", blocks=find_blocks(model))
-    shard_parameters(model, init_device_mesh("cpu", (8,)), "fully_shard", ReplicateComputation(None, None, True,
-                                                                                                quantize))
+    shard_parameters(model, init_device_mesh("cpu", mesh_shape), mode, ReplicateComputation(None, None, True, quantize))
     torch._dynamo.reset()
     graphs = capture_graphs(model, (torch.randn(4, 16),))
     return [list(passes.stages(gm, phase))[-1].schedule
             for gm, phase in ((graphs.forward, "forward"), (graphs.backward, "backward"))]
 
 
+def _kinds(schedule):
+    return Counter(node.collective.kind for node in schedule.collectives())
+
+
 def test_quantized_collectives_bucket_like_full_precision_ones_with_uint8_payloads():
     with fake_world(8):
         full, quantized = _passed_schedules(None), _passed_schedules(QUANTIZE)
+        hybrid = _passed_schedules(QUANTIZE, "hybrid_shard", (2, 4))
     as_quantized = {"all_gather": "all_gather", "reduce_scatter": "all_to_all"}
     for full_schedule, schedule in zip(full, quantized):
-        assert Counter(node.collective.kind for node in schedule.collectives()) == Counter(
-            as_quantized[node.collective.kind] for node in full_schedule.collectives())
+        assert _kinds(schedule) == Counter(as_quantized[node.collective.kind] for node in full_schedule.collectives())
+    for schedule in [*quantized, *hybrid]:
         assert {node.collective.dtype for node in schedule.collectives()} == {torch.uint8}
     # one gradient exchange each for the head (two layers) and the two blocks, not one per parameter (eight)
-    assert sum(node.collective.kind == "all_to_all" for node in quantized[1].collectives()) == 3
+    assert _kinds(quantized[1])["all_to_all"] == 3
+    # hybrid: the same over the shards, then per bucket between the replicas an all-to-all (each replica sums a
+    # chunk) and an all-gather of the sums, where full precision has all-reduces (merged by bytes with "block")
+    assert _kinds(hybrid[0]) == _kinds(quantized[0])
+    assert _kinds(hybrid[1]) == _kinds(quantized[1]) + Counter({"all_to_all": 3, "all_gather": 3})

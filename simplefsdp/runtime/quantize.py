@@ -1,4 +1,5 @@
-"""Low-bit communication (``Quantize``): the wire format, and replicate-for-compute on a 1-D mesh of ``Shard(0)``.
+"""Low-bit communication (``Quantize``): the wire format, and replicate-for-compute over ``Shard(0)``'s ranks
+(``fully_shard``; ``hybrid_shard``'s shards, then its replicas).
 
 Format: each block of ``block_size`` values travels as one fp32 scale (``absmax / qmax``) and its codes
 ``round(x / scale)`` in ``[-qmax, qmax]``: int8 (qmax 127, a byte each) or int4 (qmax 7, two to a byte); a packed row
@@ -6,7 +7,9 @@ is ``[scale bytes | codes]``, ``uint8``. Rounding is deterministic: the backward
 weights. Forward: each rank's shard, padded to whole blocks, is packed, all-gathered and dequantized to
 ``param_dtype``. Backward: each rank packs its gradient plus its error buffer, a row per destination rank, and sends
 the rows by an all-to-all; each receiver dequantizes, sums in fp32 and averages (a collective never sums low-bit
-codes: gloo's int8 sum wraps around). Without a format the collective is the plain all-gather or reduce-scatter.
+codes: gloo's int8 sum wraps around). Between replicas (``hybrid_shard``) the averaged shard is exchanged the same
+way, a chunk per replica (error feedback on it too), then each replica's sum is quantized again and all-gathered, so
+every replica decodes the same bits. Without a format the collectives are hybrid's or the plain reduce-scatter.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 QMAX = {"int8": 127, "int4": 7}
@@ -81,56 +85,83 @@ def unpack_dequantize(packed: torch.Tensor, fmt: str, block_size: int) -> torch.
     return (values * scales.unsqueeze(-1)).reshape(rows, numel)
 
 
-def padded_rows(shape: torch.Size, world: int, block_size: int) -> tuple[int, int]:
+def padded_rows(shape: torch.Size, shards: int, block_size: int, replicas: int = 1) -> tuple[int, int]:
     """``(values, padded)``: values per rank's row (``Shard(0)``'s rows per rank times the rest), that rounded up to
-    a whole number of blocks."""
-    values = -(-shape[0] // world) * shape[1:].numel()
-    return values, -(-values // block_size) * block_size
+    whole blocks, ``replicas`` blocks at a time (a row splits into one chunk per replica)."""
+    values, unit = -(-shape[0] // shards) * shape[1:].numel(), block_size * replicas
+    return values, -(-values // unit) * unit
 
 
-def new_error_buffer(param: torch.Tensor, world: int, quantize: Quantize | None, device: str) -> torch.Tensor | None:
-    """One rank's error feedback: ``(world, padded)`` fp32, a row per destination rank; None when not needed."""
-    if quantize is None or quantize.reduce is None or not quantize.error_feedback or not param.is_floating_point():
+def new_error_buffer(param: torch.Tensor, mesh: DeviceMesh, quantize: Quantize | None) -> torch.Tensor | None:
+    """One rank's error feedback, fp32: ``(shards, padded)``, a row per destination rank (none for one shard), and on
+    a (replicas, shards) mesh one more row for the exchange between replicas; None when not needed."""
+    replicas, shards = (1, *mesh.shape) if mesh.ndim == 1 else mesh.shape
+    rows = shards * (shards > 1) + (replicas > 1)
+    if quantize is None or quantize.reduce is None or not quantize.error_feedback or not param.is_floating_point() \
+            or not rows:
         return None
-    device = "meta" if param.is_meta else device  # allocated by materialize_error_buffers
-    return torch.zeros(world, padded_rows(param.shape, world, quantize.block_size)[1], device=device)
+    device = "meta" if param.is_meta else mesh.device_type  # allocated by materialize_error_buffers
+    return torch.zeros(rows, padded_rows(param.shape, shards, quantize.block_size, replicas)[1], device=device)
+
+
+def _exchange(rows: torch.Tensor, error: torch.Tensor | None, quantize: Quantize, group) -> tuple[torch.Tensor, ...]:
+    """Row ``i`` of ``rows`` (plus ``error``) quantized and sent to rank ``i`` of ``group``; returns the fp32 sum of
+    the rows received, and the updated error (or None)."""
+    fmt, block_size = quantize.reduce, quantize.block_size
+    sent = rows if error is None else rows + error
+    packed = quantize_pack(sent, fmt, block_size)
+    if error is not None:
+        error = quantize.beta * error + (1 - quantize.beta) * (sent - unpack_dequantize(packed, fmt, block_size))
+    received = funcol.all_to_all_single(packed, None, None, group)
+    return unpack_dequantize(received, fmt, block_size).sum(0), error
 
 
 class _QuantizedReplicate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, error, mesh, shape, quantize, param_dtype, reduce_dtype):
-        world = mesh.size()
-        values, padded = padded_rows(shape, world, quantize.block_size)
+        shard_group = (mesh, mesh.ndim - 1)
+        shards, replicas = mesh.size(mesh.ndim - 1), mesh.size(0) if mesh.ndim == 2 else 1
+        values, padded = padded_rows(shape, shards, quantize.block_size, replicas)
         ctx.mesh, ctx.shard_shape, ctx.shard_dtype = mesh, shard.shape, shard.dtype
         ctx.quantize, ctx.reduce_dtype, ctx.error = quantize, reduce_dtype, error
-        ctx.values, ctx.padded = values, padded
+        ctx.values, ctx.padded, ctx.shards, ctx.replicas = values, padded, shards, replicas
         row = shard.reshape(1, -1)
         if quantize.gather is None:
             row = torch.nn.functional.pad(row.to(param_dtype), (0, values - row.shape[1]))
-            full = funcol.all_gather_tensor(row, 0, mesh).reshape(world, values)
+            full = funcol.all_gather_tensor(row, 0, shard_group).reshape(shards, values)
         else:
             row = quantize_pack(torch.nn.functional.pad(row, (0, padded - row.shape[1])), "int8", quantize.block_size)
-            packed = funcol.all_gather_tensor(row, 0, mesh)
+            packed = funcol.all_gather_tensor(row, 0, shard_group)
             full = unpack_dequantize(packed, "int8", quantize.block_size)[:, :values].to(param_dtype)
         return full.reshape(-1, *shape[1:])[:shape[0]]
 
     @staticmethod
     def backward(ctx, grad):
-        quantize, world = ctx.quantize, ctx.mesh.size()
-        rows = torch.nn.functional.pad(grad.reshape(-1), (0, world * ctx.values - grad.numel())).reshape(world, -1)
+        quantize, shards, replicas, error = ctx.quantize, ctx.shards, ctx.replicas, ctx.error
+        shard_group, replica_group = (ctx.mesh, ctx.mesh.ndim - 1), (ctx.mesh, 0)
+        rows = torch.nn.functional.pad(grad.reshape(-1), (0, shards * ctx.values - grad.numel())).reshape(shards, -1)
         if quantize.reduce is None:
             dtype = ctx.reduce_dtype or grad.dtype
-            mine = funcol.reduce_scatter_tensor(rows.to(dtype).reshape(-1), "sum", 0, ctx.mesh) / world
+            mine = funcol.reduce_scatter_tensor(rows.to(dtype).reshape(-1), "sum", 0, shard_group) / shards
+            if replicas > 1:  # gloo has no "avg"
+                mine = funcol.all_reduce(mine, "sum", replica_group) / replicas
         else:
             sent = torch.nn.functional.pad(rows.float(), (0, ctx.padded - ctx.values))
-            if ctx.error is not None:
-                sent = sent + ctx.error
-            packed = quantize_pack(sent, quantize.reduce, quantize.block_size)
-            if ctx.error is not None:
-                lost = sent - unpack_dequantize(packed, quantize.reduce, quantize.block_size)
-                ctx.error.copy_(quantize.beta * ctx.error + (1 - quantize.beta) * lost)
-            received = funcol.all_to_all_single(packed, None, None, ctx.mesh)
-            mine = unpack_dequantize(received, quantize.reduce, quantize.block_size).sum(0)[:ctx.values] / world
+            mine, new_error = sent[0], []  # a one-rank exchange moves nothing: not rounded
+            if shards > 1:
+                mine, shard_error = _exchange(sent, None if error is None else error[:shards], quantize, shard_group)
+                mine, new_error = mine / shards, [shard_error]
+            if replicas > 1:  # each replica sums one chunk, then gathers all, quantized: every replica decodes the same
+                chunks = mine.reshape(replicas, -1)
+                reduced, chunk_error = _exchange(chunks, None if error is None else error[-1].reshape(chunks.shape),
+                                                 quantize, replica_group)
+                packed = quantize_pack((reduced / replicas).reshape(1, -1), quantize.reduce, quantize.block_size)
+                gathered = funcol.all_gather_tensor(packed, 0, replica_group)
+                mine = unpack_dequantize(gathered, quantize.reduce, quantize.block_size).reshape(-1)
+                new_error.append(None if error is None else chunk_error.reshape(1, -1))
+            if error is not None:
+                error.copy_(torch.cat(new_error))
+            mine = mine[:ctx.values]
         shard_grad = mine[:ctx.shard_shape.numel()].reshape(ctx.shard_shape).to(ctx.shard_dtype)
         return shard_grad, None, None, None, None, None, None
 
@@ -146,10 +177,11 @@ def quantized_replicate(param: DTensor, error: torch.Tensor | None, quantize: Qu
 def error_feedback_state(model: nn.Module) -> dict[str, DTensor]:
     """Every error feedback buffer by ``<module>.<parameter>``, as a DTensor of one row block per rank (each rank's
     own state, so checkpoints save and load each rank's buffers in place)."""
-    return {f"{module_name}.{name}".lstrip("."): DTensor.from_local(error, module._parameters[name].device_mesh,
-                                                                    [Shard(0)], run_check=False)
+    return {f"{module_name}.{name}".lstrip("."):
+            DTensor.from_local(error, mesh, [Shard(0)] * mesh.ndim, run_check=False)
             for module_name, module in model.named_modules()
-            for name, error in vars(module).get("_error_feedback", {}).items() if error is not None}
+            for name, error in vars(module).get("_error_feedback", {}).items() if error is not None
+            for mesh in [module._parameters[name].device_mesh]}
 
 
 def materialize_error_buffers(model: nn.Module, device: str) -> None:
