@@ -16,6 +16,7 @@ from simplefsdp.runtime.compile import check_compile_options, compile_in_place
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
+from simplefsdp.runtime.quantize import Quantize
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
 from simplefsdp.runtime.sharding import (broadcast_buffers, check_not_sharded, check_same_model_on_all_ranks,
                                          holds_values, shard_parameters)
@@ -38,6 +39,7 @@ def compile_sharded(
     prefetch: int = 1,
     memory_budget: int | None = None,
     blocks: list[str] | None = None,
+    quantize: Quantize | None = None,
     **compile_options: Any,
 ) -> ModuleT | Callable[[ModuleT], ModuleT]:
     """Shard ``model``'s parameters over the data-parallel mesh and compile its forward, in place.
@@ -53,7 +55,7 @@ def compile_sharded(
     (``[["tok_embeddings"], ["layers.0"], ...]``); ``reorder`` prefetches all-gathers ``prefetch`` buckets ahead and
     sinks waits. ``blocks`` names the repeated blocks (default: ``find_blocks(model)``). All-reduces (``replicate``,
     ``hybrid_shard``) are merged from per-block units up to DDP's 25 MiB (``"auto"``) or bucketed by bytes as DDP's
-    (``"block"``).
+    (``"block"``). ``quantize`` (``Quantize``) sends weights and gradients in low-bit formats (not ``replicate``).
 
     FSDP x TP: apply ``parallelize_module(model, mesh_2d["tp"], plan)`` first, then pass ``mesh=mesh_2d["dp"]``;
     TP's DTensor parameters are sharded over dp as well, and the passes touch only the data-parallel collectives.
@@ -63,6 +65,10 @@ def compile_sharded(
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
         raise TypeError(f"mp_policy must be simplefsdp.MixedPrecision or None, got {type(mp_policy).__name__}")
+    if quantize is not None and not (isinstance(quantize, Quantize) and mode != "replicate"):
+        raise ValueError(f"quantize must be simplefsdp.Quantize(...) or None, with mode='fully_shard' or "
+                         f"'hybrid_shard' (got {type(quantize).__name__} with mode={mode!r}); replicate communicates "
+                         "in full precision")
     check_compile_options(compile_options)
     check_pass_options(model if isinstance(model, nn.Module) else None, buckets, reorder, prefetch, memory_budget,
                        blocks)
@@ -75,9 +81,16 @@ def compile_sharded(
     if passes:
         check_no_custom_post_pass(compile_options)
     check_not_sharded(model)
+    tied = len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
+    if tied and quantize is not None and quantize.reduce and quantize.error_feedback:
+        raise ValueError("the model has tied parameters, whose error feedback would count twice; pass "
+                         "Quantize(..., error_feedback=False) or untie them")
     mesh = mesh if mesh is not None else default_mesh(mode)
     check_mesh(mesh, mode)
     tp_mesh = tensor_parallel_mesh(model, mesh, mode)
+    if tp_mesh is not None and quantize is not None:
+        raise ValueError("quantize does not support tensor-parallel (DTensor) parameters yet; pass quantize=None "
+                         "with parallelize_module, or drop tensor parallelism to quantize")
     if passes:  # "auto" buckets are priced on the hardware this rank computes on
         overlap = OverlapPasses(buckets, reorder, prefetch, memory_budget, local_profile(mesh.device_type),
                                 find_blocks(model) if blocks is None else blocks, data_parallel_groups(mesh))
@@ -92,7 +105,7 @@ def compile_sharded(
         broadcast_buffers(model, mesh)
     replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,
                                      reshard_after_forward=reshard_after_forward and mode != "replicate",
-                                     tensor_parallel=tp_mesh)
+                                     quantize=quantize, tensor_parallel=tp_mesh)
     shard_parameters(model, mesh, mode, replicate)
     if mp_policy.param_dtype is not None:
         cast_floating_inputs(model, mp_policy.param_dtype)

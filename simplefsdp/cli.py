@@ -61,6 +61,11 @@ def _workload(model: str, batch_size: int, seq_len: int | None, dtypes: tuple) -
         shown = str(default).removeprefix("torch.") if default else "the parameter's own"
         parser.add_argument(option, type=_choice(DTYPES, "dtype"), default=default, metavar="{" + ",".join(DTYPES) + "}",
                             help=f"{use} dtype ({shown})")
+    parser.add_argument("--quantize-gather", choices=["int8"], help="send weight all-gathers in this format")
+    parser.add_argument("--quantize-reduce", choices=["int8", "int4"],
+                        help="exchange gradients in this format, with error feedback")
+    parser.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
+                        help="with --quantize-reduce: no error feedback buffers")
     return parser
 
 

@@ -41,6 +41,7 @@ from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpoint
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES, check_tensor_parallel_world, data_parallel_groups
 from simplefsdp.runtime.mixed_precision import MixedPrecision
+from simplefsdp.runtime.quantize import Quantize, quantize_option
 from simplefsdp.runtime.sharding import check_not_sharded
 
 
@@ -182,6 +183,7 @@ def inspect(
     dynamic: bool = False,
     activation_checkpointing: str = "none",
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    quantize: Quantize | None = None,
     replica_groups: int = 1,
     device: str | None = None,
     tp: int = 1,
@@ -195,7 +197,8 @@ def inspect(
     default ``"cuda"`` for a GPU ``hardware`` profile where a CUDA device is present, else ``"meta"``. ``hardware``:
     a profile name (``h100``,
     ``a100``, ``cpu``), a JSON path or a ``HardwareProfile``; it also prices ``buckets="auto"``. The pass options
-    are ``compile_sharded``'s. ``dynamic`` traces sizes as symbols, priced at ``example_inputs``' sizes.
+    and ``quantize`` are ``compile_sharded``'s. ``dynamic`` traces sizes as symbols, priced at ``example_inputs``'
+    sizes.
     ``activation_checkpointing`` (``none``, ``selective``, ``full``) checkpoints each of ``model.layers`` as ``train``.
     ``loss_fn(output, *example_inputs)``, when given, is traced after the model, so the step includes its loss.
     ``replica_groups`` > 1 prices ``train --fault-tolerant``: that many groups of ``world_size`` ranks, whose gradient
@@ -234,7 +237,7 @@ def inspect(
                                data_parallel_groups(mesh))
         # Sharded by compile_sharded itself, so the graphs traced here are those that run.
         compile_sharded(copy_model, mesh=mesh, mode=mode, mp_policy=mp_policy,
-                        reshard_after_forward=reshard_after_forward, compile=False)
+                        reshard_after_forward=reshard_after_forward, compile=False, quantize=quantize)
         graphs = capture_graphs(copy_model, copy_inputs, dynamic=dynamic, fused_attention=device == "meta")
         # The captured graphs are ours: the passes rewrite them in place, and each stage keeps its schedule.
         forward_stages = list(passes.stages(graphs.forward, "forward", graphs.param_fqns))
@@ -359,6 +362,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             reshard_after_forward=args.reshard_after_forward, buckets=args.buckets, reorder=args.reorder,
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
             activation_checkpointing=args.activation_checkpointing, loss_fn=_next_token_loss,
+            quantize=quantize_option(args.quantize_gather, args.quantize_reduce, args.error_feedback),
             replica_groups=args.replica_groups, device=device, tp=args.tp)
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None

@@ -32,6 +32,7 @@ from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks, laun
 from simplefsdp.runtime.mesh import check_tensor_parallel_world, device_type, init_distributed
 from simplefsdp.runtime.meta_init import materialize_sharded
 from simplefsdp.runtime.mixed_precision import MixedPrecision
+from simplefsdp.runtime.quantize import quantize_option
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -132,6 +133,7 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
         model, mesh=mesh, mode=args.mode, mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
         reshard_after_forward=args.reshard_after_forward, compile=args.compile, backend=args.backend,
         buckets=args.buckets, reorder=args.reorder, prefetch=args.prefetch, memory_budget=args.memory_budget,
+        quantize=quantize_option(args.quantize_gather, args.quantize_reduce, args.error_feedback),
     )
     if args.init_on_meta:
         torch.manual_seed(args.seed)
@@ -241,11 +243,7 @@ def summarize(say, args, start, losses, step_times, mfus, tokens_per_step, world
     """Rank 0's closing line: loss change, compile time, median step time, throughput, MFU and memory."""
     steady = slice(1, None) if len(step_times) > 1 else slice(None)
     median = statistics.median(step_times[steady])
-    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    say(
-        "summary: "
-        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start + 1}-{args.steps}; "
-        f"first step {step_times[0]:.1f} s; median step {median:.3f} s; "
-        f"{tokens_per_step / median:,.0f} tok/s total, {tokens_per_step / world / median:,.0f} tok/s per rank; "
-        f"MFU {statistics.median(mfus[steady]):.2%}; peak RSS rank 0 {peak_rss_mib:,.0f} MiB"
-    )
+    say(f"summary: loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start + 1}-{args.steps}; first step "
+        f"{step_times[0]:.1f} s; median step {median:.3f} s; {tokens_per_step / median:,.0f} tok/s total, "
+        f"{tokens_per_step / world / median:,.0f} tok/s per rank; MFU {statistics.median(mfus[steady]):.2%}; "
+        f"peak RSS rank 0 {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB")

@@ -12,18 +12,19 @@ COLLECTIVES = ("all_gather", "allgather", "reduce_scatter", "all_reduce", "allre
 
 
 class CountCollectives(TorchDispatchMode):
-    """Counts the collective ops on floating-point data dispatched while active, by op name.
-
-    Object collectives (pickled bytes, e.g. DCP's planning) are not counted.
+    """Counts the collective ops on floating-point data (any data with ``any_dtype``) dispatched while active, by op
+    name. Object collectives (pickled bytes, e.g. DCP's planning) are not counted unless ``any_dtype``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, any_dtype: bool = False) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.any_dtype = any_dtype
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         namespace, _, name = func.name().partition("::")
-        if namespace in ("_c10d_functional", "c10d") and name.startswith(COLLECTIVES) and _carries_floats(args):
+        counted = self.any_dtype or _carries_floats(args)
+        if namespace in ("_c10d_functional", "c10d") and name.startswith(COLLECTIVES) and counted:
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 

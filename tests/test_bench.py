@@ -19,7 +19,7 @@ from simplefsdp.bench.report import check_parity
 from simplefsdp.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTENDERS = ["fsdp2-eager", "simplefsdp", "local"]
+CONTENDERS = ["fsdp2-eager", "simplefsdp", "simplefsdp-int8", "local"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_bench_writes_json_table_and_chart(bench_run):
     out, done = bench_run
     results = json.loads((out / "bench.json").read_text())
     assert results["world_size"] == 2 and results["model"] == "debug" and results["steps"] == 3
-    assert set(results["methods"]) == {"step_time", "peak_memory", "collectives", "comm", "wait"}
+    assert set(results["methods"]) == {"step_time", "peak_memory", "collectives", "comm", "wire", "wait"}
     assert [row["name"] for row in results["rows"]] == CONTENDERS
     for row in results["rows"]:
         assert row["status"] == "ok", row
@@ -56,8 +56,17 @@ def test_bench_writes_json_table_and_chart(bench_run):
     assert rows["fsdp2-eager"]["collectives_per_step"] > 0 and rows["fsdp2-eager"]["wait_ms_per_step"] is None
     assert "| contender |" in done.stdout and "| simplefsdp |" in done.stdout
     assert "loss parity: ok: simplefsdp vs fsdp2-eager" in done.stdout and "bitwise" in done.stdout
-    assert png_size(out / "bench.png") == (900, 430)  # two panels of three bars
+    assert png_size(out / "bench.png") == (900, 500)  # two panels of four bars
     assert "Warning" not in done.stderr, done.stderr
+
+
+def test_wire_bytes_column_shows_int8_sending_less_than_full_precision(bench_run):
+    out, done = bench_run
+    sent = {row["name"]: row["wire_bytes_per_rank"] for row in json.loads((out / "bench.json").read_text())["rows"]}
+    assert sent["local"] == 0 and sent["fsdp2-eager"] > 0
+    # int8 codes plus a 4-byte scale per 256 values, all-to-all sending half of what gloo's all-reduce sends
+    assert 0 < sent["simplefsdp-int8"] < sent["simplefsdp"] / 2
+    assert "wire MiB/step (× FSDP2)" in done.stdout and f"{sent['simplefsdp-int8'] / 2**20:.2f} (" in done.stdout
 
 
 def test_aot_eager_losses_are_bitwise_equal_to_fsdp2_eager(bench_run):

@@ -224,7 +224,7 @@ def test_cli_pass_flags_reach_the_passes(tmp_path, capsys):
 def test_unknown_hardware_is_one_line_naming_the_choices():
     with pytest.raises(ValueError) as error:
         simplefsdp.inspect(build_model("debug"), (torch.zeros(1, 8, dtype=torch.long),), world_size=8, hardware="h1OO")
-    assert "\n" not in str(error.value) and "h100, a100, cpu" in str(error.value)
+    assert "\n" not in str(error.value) and "h100, a100, h100-100g, cpu" in str(error.value)
 
 
 def test_world_size_that_does_not_fit_the_mesh_is_one_line():

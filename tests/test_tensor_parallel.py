@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ranks import run_on_ranks
 from scenarios import (FORWARD_BACKWARD_BOUND, LOCAL_BATCH, SCENARIOS, STEPS, assert_matches_reference, build, gamma,
                        make_optimizer)
-from simplefsdp import clip_grad_norm_, compile_sharded, inspect
+from simplefsdp import Quantize, clip_grad_norm_, compile_sharded, inspect
 from simplefsdp.cli import main
 from simplefsdp.models.llama import build_model
 from simplefsdp.models.llama_tp import parallelize_llama, tensor_parallel_plan
@@ -187,3 +187,5 @@ def test_tp_with_another_mode_or_mesh_is_rejected(monkeypatch):
         fix = r'not two dimensions of one mesh .*compile_sharded\(model, mesh=mesh_2d\["dp"\]\)'
         with pytest.raises(ValueError, match=fix):
             compile_sharded(model, mesh=mesh_2d["tp"], compile=False)
+        with pytest.raises(ValueError, match="quantize does not support tensor-parallel"):
+            compile_sharded(model, mesh=mesh_2d["dp"], compile=False, quantize=Quantize(gather="int8"))

@@ -12,6 +12,7 @@ from torch import nn
 
 from simplefsdp.api import compile_sharded
 from simplefsdp.runtime.mixed_precision import MixedPrecision
+from simplefsdp.runtime.quantize import Quantize, quantize_option
 
 REFERENCE = "fsdp2-eager"
 CHECKED = ("simplefsdp", "simplefsdp-nopasses")  # the rows whose loss must match the reference's
@@ -33,6 +34,8 @@ class Contender:
 
 def _simplefsdp(model: nn.Module, args: argparse.Namespace, **options) -> nn.Module:
     mp_policy = MixedPrecision(args.param_dtype, args.reduce_dtype)
+    quantize = quantize_option(args.quantize_gather, args.quantize_reduce, args.error_feedback)
+    options.setdefault("quantize", quantize)
     return compile_sharded(model, mp_policy=mp_policy, backend=args.backend, **options)
 
 
@@ -70,6 +73,8 @@ CONTENDERS = [
     Contender("simplefsdp", "compile_sharded with default options", _simplefsdp),
     Contender("simplefsdp-nopasses", "compile_sharded(" + ", ".join(f"{k}={v!r}" for k, v in PASSES_OFF.items()) + ")",
               partial(_simplefsdp, **PASSES_OFF)),
+    Contender("simplefsdp-int8", "compile_sharded(quantize=Quantize('int8', 'int8')): int8 gathers, int8 gradients "
+              "with error feedback", partial(_simplefsdp, quantize=Quantize("int8", "int8"))),
     Contender("simplefsdp-replicate", "compile_sharded(mode='replicate'): DDP's layout, bucketed all-reduces",
               partial(_simplefsdp, mode="replicate")),
     Contender("fsdp2-compile", "fully_shard on each block and the root, each block torch.compile'd",

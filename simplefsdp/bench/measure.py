@@ -22,18 +22,19 @@ from simplefsdp.train import next_token_loss
 
 METHODS = {
     "step_time": "wall time of forward+backward+optimizer step, slowest rank, median and quartiles over the measured "
-                 "steps, which run interleaved across contenders; warm-up: the warm-up steps' total, compilation "
-                 "included (Inductor's on-disk caches make a repeated run's compilation faster)",
-    "peak_memory": "CPU: bytes allocated since the contender's fresh copy started being built and not yet freed, "
-                   "summed from torch.profiler allocation and free events (profile_memory=True), maximum over the "
-                   "profiled step, maximum over ranks; CUDA: torch.cuda.max_memory_allocated over that step, less "
-                   "the bytes allocated before the copy was built",
+                 "steps (interleaved across contenders); warm-up: the warm-up steps' total, compilation included",
+    "peak_memory": "CPU: bytes allocated since the contender's copy started being built and not yet freed "
+                   "(torch.profiler memory events), maximum over the profiled step and ranks; CUDA: "
+                   "max_memory_allocated over that step less the bytes allocated before the copy was built",
     "collectives": "c10d::* operator events (process-group calls, barriers excluded) in the profiled step",
-    "comm": "summed duration of the backend's own collective events (e.g. gloo:all_gather, on its worker threads) "
-            "in the profiled step, and its share of that step's duration (the profiler slows the step)",
-    "wait": "summed duration of _c10d_functional::wait_tensor events (compiled graphs); n/a where collectives are "
-            "waited on in Work.wait(), which the profiler does not record (eager FSDP2, DDP); in the "
-            "profiled step, with its share of that step's duration",
+    "comm": "summed duration of the backend's own collective events (e.g. gloo:all_gather) in the profiled step, "
+            "and its share of that step (the profiler slows the step)",
+    "wire": "bytes one rank sends in the profiled step, mean over ranks: each backend collective event's recorded "
+            "input bytes times its send factor on n ranks, n the world (ring algorithms): all-gather n-1, all-reduce "
+            "2(n-1)/n, reduce-scatter and all-to-all (n-1)/n, broadcast (n-1)/n (its root's n-1 averaged); gloo runs "
+            "a reduce-scatter as an all-reduce of the whole input, so it counts as one",
+    "wait": "summed duration of _c10d_functional::wait_tensor events (compiled graphs; n/a for eager FSDP2 and DDP, "
+            "whose Work.wait() the profiler does not record) in the profiled step, and its share of it",
 }
 
 
@@ -119,7 +120,7 @@ def profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.T
 
     gc.collect()
     before = torch.cuda.memory_allocated() if device_type() == "cuda" else 0
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
         model, optimizer = build(contender, args)
         for step in (1, 2):
             batch = step_batch(args, tokens, step)
@@ -131,10 +132,10 @@ def profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.T
                 train_step(model, optimizer, batch)
         cuda_peak = torch.cuda.max_memory_allocated() - before if device_type() == "cuda" else None
         del model, optimizer
-    counts = read_profile(prof, dist.get_backend())
+    counts = read_profile(prof, dist.get_backend(), dist.get_world_size())
     cpu_peak = counts.pop("peak_bytes")
-    peaks = gather([cpu_peak if cuda_peak is None else cuda_peak])
-    return {**counts, "peak_bytes_per_rank": int(peaks.max().item())}
+    peaks, sent = gather([cpu_peak if cuda_peak is None else cuda_peak, counts.pop("wire_bytes")]).T
+    return {**counts, "peak_bytes_per_rank": int(peaks.max().item()), "wire_bytes_per_rank": sent.mean().item()}
 
 
 def _failed(row: dict, error: Exception) -> None:
@@ -191,21 +192,14 @@ def measure(args: argparse.Namespace) -> dict | None:
     if rank:
         return None
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "device": device_type(),
-        "cpu_cores": os.cpu_count(),
-        "load_average": os.getloadavg(),
-        "process_group_backend": "nccl" if device_type() == "cuda" else "gloo",
-        "world_size": world,
-        **{option: getattr(args, option) for option in ("model", "steps", "warmup", "batch_size", "seq_len")},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+        "device": device_type(), "cpu_cores": os.cpu_count(), "load_average": os.getloadavg(),
+        "process_group_backend": "nccl" if device_type() == "cuda" else "gloo", "world_size": world,
+        **{option: getattr(args, option) for option in ("model", "steps", "warmup", "batch_size", "seq_len", "seed")},
         "parameters": sum(p.numel() for p in build_model(args.model, n_layers=args.layers).parameters()),
-        "param_dtype": str(args.param_dtype).removeprefix("torch.") if args.param_dtype else None,
-        "reduce_dtype": str(args.reduce_dtype).removeprefix("torch.") if args.reduce_dtype else None,
-        "compile_backend": args.backend,
-        "optimizer": f"AdamW(lr={args.lr}, fused=True)",
-        "seed": args.seed,
-        "methods": METHODS,
+        **{name: str(dtype).removeprefix("torch.") if dtype else None
+           for name, dtype in (("param_dtype", args.param_dtype), ("reduce_dtype", args.reduce_dtype))},
+        "compile_backend": args.backend, "optimizer": f"AdamW(lr={args.lr}, fused=True)", "methods": METHODS,
         "rows": list(rows.values()),
     }
 

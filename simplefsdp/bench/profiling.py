@@ -1,12 +1,20 @@
-"""Reading ``simplefsdp bench``'s profiled step: peak memory, collectives, communication and waits."""
+"""Reading ``simplefsdp bench``'s profiled step: peak memory, collectives, communication, bytes sent and waits."""
 
 from __future__ import annotations
 
+import math
+
 WINDOW = "simplefsdp.bench.profiled_step"
+# Bytes a rank sends per byte of its input to a backend collective on n ranks, as ring algorithms send them (a
+# broadcast: its root sends n - 1 copies, averaged over the ranks). gloo runs a reduce-scatter as an all-reduce.
+SEND_FACTORS = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: (n - 1) / n,
+                "all_to_all": lambda n: (n - 1) / n, "all_reduce": lambda n: 2 * (n - 1) / n,
+                "broadcast": lambda n: (n - 1) / n}
 
 
-def read_profile(prof, backend: str) -> dict:
-    """Peak allocated bytes, collectives, communication and wait times inside the ``WINDOW`` event."""
+def read_profile(prof, backend: str, world: int) -> dict:
+    """Peak allocated bytes, collectives, communication time, bytes sent (``SEND_FACTORS``, inputs recorded by
+    ``record_shapes``, on ``world`` ranks) and wait times inside the ``WINDOW`` event."""
     from torch._C._profiler import _EventType
 
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -18,7 +26,7 @@ def read_profile(prof, backend: str) -> dict:
     window = next(event for event in events if event.name == WINDOW)
     begin, end = window.start_time_ns, window.end_time_ns
     live: dict[int, int] = {}
-    allocated = before = peak = collectives = comm_ns = wait_ns = waits = 0
+    allocated = before = peak = collectives = comm_ns = wait_ns = waits = sent = 0
     for event in events:
         inside = begin <= event.start_time_ns <= end
         if event.tag == _EventType.Allocation and str(event.extra_fields.device).startswith("cpu"):
@@ -31,6 +39,7 @@ def read_profile(prof, backend: str) -> dict:
             collectives += 1
         elif inside and event.name.startswith(f"{backend}:"):
             comm_ns += event.duration_time_ns
+            sent += sent_bytes(event.name, event.extra_fields.inputs, world)
         elif inside and event.name == "_c10d_functional::wait_tensor":
             waits += 1
             wait_ns += event.duration_time_ns
@@ -39,17 +48,23 @@ def read_profile(prof, backend: str) -> dict:
         "peak_bytes": max(before, peak),
         "collectives_per_step": collectives,
         "comm_ms_per_step": comm_ns / 1e6,
+        "wire_bytes": sent,
         "wait_ms_per_step": wait_ns / 1e6 if waits or not collectives else None,
     }
 
 
 def allocation_delta(live: dict[int, int], ptr: int, size: int) -> int:
-    """Bytes a profiler allocation event adds to what this profile allocated and still holds.
-
-    Frees of blocks allocated before the profile count nothing. (Not the event's ``total_allocated``: it drifts
-    between profiles, as the CPU allocator keeps sizes of blocks an earlier profile allocated.)
-    """
+    """Bytes a profiler allocation event adds to what this profile allocated and still holds (frees of earlier
+    blocks count nothing; the event's ``total_allocated`` drifts between profiles)."""
     if size > 0:
         live[ptr] = size
         return size
     return -live.pop(ptr, 0)
+
+
+def sent_bytes(name: str, inputs: list, world: int) -> float:
+    """Bytes one rank sends for the backend collective ``name`` (e.g. ``gloo:all_gather``) of tensor ``inputs``."""
+    factor = next((factor for kind, factor in SEND_FACTORS.items() if kind in name), lambda n: 0)  # e.g. barrier
+    tensors = [meta for item in inputs for meta in (item if isinstance(item, list) else [item])
+               if hasattr(meta, "sizes")]
+    return factor(world) * sum(math.prod(meta.sizes) * meta.dtype.itemsize for meta in tensors)

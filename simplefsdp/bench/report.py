@@ -16,10 +16,9 @@ DEFAULT_PLOT = "runs/bench.png"
 
 
 def _tolerance(results: dict) -> tuple[float, float]:
-    """``(rtol, atol)`` for the loss check: ``torch.testing.assert_close``'s defaults for the parameter dtype (fp32:
-    1.3e-6, 1e-5); ``(0, 0)``, bitwise, for ``aot_eager`` in full fp32, where simplefsdp and FSDP2 do the same
-    arithmetic. With a lower ``param_dtype`` they do not: FSDP2 (as torchtitan configures it) also casts each sharded
-    module's floating-point forward inputs, here the fp32 rotary table, while simplefsdp casts only parameters."""
+    """``(rtol, atol)`` for the loss check: ``assert_close``'s defaults for the parameter dtype; bitwise for
+    ``aot_eager`` in full fp32, where simplefsdp and FSDP2 do the same arithmetic (with a lower ``param_dtype`` FSDP2
+    also casts the fp32 rotary table, an input of each sharded block)."""
     dtype = getattr(torch, results["param_dtype"] or "float32")
     full_fp32 = dtype == torch.float32 and results["reduce_dtype"] in (None, "float32")
     if results["compile_backend"] == "aot_eager" and full_fp32:
@@ -61,6 +60,11 @@ def _share(milliseconds: float | None, row: dict) -> str:
     return f"{milliseconds:.1f} ({100 * milliseconds / row['profiled_step_ms']:.0f}%)"
 
 
+def _wire(row: dict, ref: dict | None) -> str:
+    sent = row.get("wire_bytes_per_rank")  # absent from results saved before the column
+    return "n/a" if sent is None else f"{sent / 2**20:.2f} ({_ratio(sent, ref and ref.get('wire_bytes_per_rank'))})"
+
+
 def _workload(results: dict) -> str:
     return (f"{results['model']} on {results['world_size']} {results['process_group_backend']} rank(s), "
             f"{results['batch_size']}x{results['seq_len']} tokens per rank per step")
@@ -72,8 +76,8 @@ def format_table(results: dict) -> str:
     ok = {name: row for name, row in rows.items() if row["status"] == "ok"}
     ref, local = ok.get(REFERENCE), ok.get("local")
     header = ["contender", "step s (median)", "step s (q1–q3)", "step × FSDP2", "step × local", "tok/s/rank",
-              "peak MiB/rank", "mem × FSDP2", "collectives/step", "comm ms/step", "wait ms/step",
-              "warm-up s", "last loss", "Δ loss vs FSDP2"]
+              "peak MiB/rank", "mem × FSDP2", "collectives/step", "wire MiB/step (× FSDP2)",
+              "comm ms/step", "wait ms/step", "warm-up s", "last loss", "Δ loss vs FSDP2"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, row in rows.items():
         if row["status"] != "ok":
@@ -86,7 +90,8 @@ def format_table(results: dict) -> str:
             name, f"{median:.4f}", f"{row['step_time_s']['q1']:.4f}–{row['step_time_s']['q3']:.4f}",
             _ratio(median, ref and ref["step_time_s"]["median"]), _ratio(median, local and local["step_time_s"]["median"]),
             f"{row['tokens_per_s_per_rank']:,.0f}", f"{peak / 2**20:.1f}", _ratio(peak, ref and ref["peak_bytes_per_rank"]),
-            str(row["collectives_per_step"]), _share(row["comm_ms_per_step"], row), _share(row["wait_ms_per_step"], row),
+            str(row["collectives_per_step"]), _wire(row, ref),
+            _share(row["comm_ms_per_step"], row), _share(row["wait_ms_per_step"], row),
             f"{row['warmup_s']:.1f}", f"{row['last_loss']:.6f}", delta,
         ]
         lines.append("| " + " | ".join(cells) + " |")

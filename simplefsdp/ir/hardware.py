@@ -84,7 +84,9 @@ A100 = _datasheet_gpu("a100", {"bfloat16": 312e12, "float16": 312e12, "float32":
                       nic=23e9, intra_node_latency=1.5e-6, inter_node_latency=5e-6, collective_latency=12e-6,
                       kernel_overhead=3e-6)
 
-BUILT_IN = {"h100": H100, "a100": A100}
+# H100 nodes joined by one 100 Gb/s Ethernet link per GPU (~11 GB/s through NCCL), where low-bit communication pays.
+H100_100G = dataclasses.replace(H100, name="h100-100g", inter_node_bandwidth=11e9)
+BUILT_IN = {"h100": H100, "a100": A100, "h100-100g": H100_100G}
 PROFILE_NAMES = (*BUILT_IN, "cpu")
 CACHE_DIR = Path(os.environ.get("SIMPLEFSDP_CACHE", Path.home() / ".cache" / "simplefsdp"))
 

@@ -1,4 +1,5 @@
-"""The copy-in and copy-out of an all-gather bucket, as two custom ops Inductor calls instead of generating code.
+"""The copy-in and copy-out of an all-gather bucket, as two custom ops Inductor calls instead of generating code;
+and the traced body of an all-to-all bucket.
 
 A bucket's flat buffer holds rank ``r``'s shards at ``[r * total, (r + 1) * total)``. Generated copy kernels would
 read each parameter at its own offset, so no two blocks' kernels would be alike and Inductor would compile a few per
@@ -58,3 +59,14 @@ def all_gather_bucket(shards: list[torch.Tensor], group_name: str, group_size: i
     sizes = [size for shard in shards for size in (shard.shape[0] * group_size, *shard.shape[1:])]
     return torch.ops.simplefsdp.all_gather_copy_out(
         gathered, group_size, [shard.numel() for shard in shards], [shard.ndim for shard in shards], sizes)
+
+
+def all_to_all_bucket(inputs: list[torch.Tensor], output_splits: list[int], input_splits: list[int],
+                      group_name: str) -> list[torch.Tensor]:
+    """All-to-all ``inputs`` (split on dim 0 alike) as one collective, their other dims side by side (one wait);
+    traced in by ``merge_all_to_alls``."""
+    functional = torch.ops._c10d_functional
+    flat = torch.cat([tensor.flatten(1) for tensor in inputs], 1)
+    received = functional.wait_tensor(functional.all_to_all_single(flat, output_splits, input_splits, group_name))
+    parts = received.split([tensor[0].numel() for tensor in inputs], 1)
+    return [part.contiguous().view(-1, *tensor.shape[1:]) for part, tensor in zip(parts, inputs)]

@@ -19,7 +19,7 @@ from torch import nn
 
 from simplefsdp.ir.schedule import Schedule, ScheduleNode
 
-BUCKETED_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+BUCKETED_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 BucketMode = Union[None, str, Sequence[Sequence[str]]]
 ALL_REDUCE_BUCKET_BYTES = 25 * 2**20, 2**20  # DDP's bucket_cap_mb, and its first bucket's, which starts sooner
 
@@ -77,8 +77,9 @@ def plan_buckets(schedule: Schedule, mode: BucketMode, blocks: Sequence[str] = (
     return group_collectives(schedule, names, blocks)
 
 
-def bucketable(schedule: Schedule, kinds: tuple[str, ...] = ("all_gather", "reduce_scatter")) -> list[ScheduleNode]:
-    """The data-parallel collectives of ``kinds`` (default: all-gathers and reduce-scatters), program order."""
+def bucketable(schedule: Schedule, kinds: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_to_all")
+               ) -> list[ScheduleNode]:
+    """The data-parallel collectives of ``kinds`` (default: all but all-reduces), program order."""
     return [node for node in schedule.data_parallel_collectives() if node.collective.kind in kinds]
 
 

@@ -3,7 +3,8 @@
 Inductor's FX bucketing replaces a list of collectives by one on a flat buffer: ``process_collective_bucket`` traces
 our ``bucket_copies.all_gather_bucket`` in place of all-gathers (folding a cast just before each into the copy-in),
 ``merge_reduce_scatter_bucket`` (``custom_ops`` mode) copies gradients in with one opaque op and out as views. Padding
-for uneven shards stays outside the merged region. ``merge_all_reduce_bucket`` all-reduces gradients concatenated.
+for uneven shards stays outside the merged region. ``merge_all_reduce_bucket`` all-reduces gradients concatenated;
+all-to-alls (quantized gradients) go side by side through ``bucket_copies.all_to_all_bucket``.
 ``preserve_node_ordering`` adds dependencies Inductor's scheduler must respect.
 """
 
@@ -18,7 +19,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._ordered_set import OrderedSet
 
-from simplefsdp.passes.bucket_copies import all_gather_bucket
+from simplefsdp.passes.bucket_copies import all_gather_bucket, all_to_all_bucket
 
 
 def merge_all_gathers(graph: fx.Graph, all_gathers: list[fx.Node]) -> None:
@@ -39,6 +40,19 @@ def merge_reduce_scatters(graph: fx.Graph, reduce_scatters: list[fx.Node]) -> No
 def merge_all_reduces(graph: fx.Graph, all_reduces: list[fx.Node]) -> None:
     """Replace ``all_reduces`` (one group and dtype, each with one wait) by one placed after the last one."""
     merge_all_reduce_bucket(graph, all_reduces, insert_before=all_reduces[-1].next)
+
+
+def merge_all_to_alls(graph: fx.Graph, all_to_alls: list[fx.Node]) -> None:
+    """Replace ``all_to_alls`` (one group, each with one wait) by one per set of equal constant split sizes, placed
+    after the last one of the set."""
+    alike: dict[str, list[fx.Node]] = {}
+    for node in all_to_alls:
+        if all(isinstance(size, int) for size in (*node.args[1], *node.args[2])):
+            alike.setdefault(repr(node.args[1:3]), []).append(node)
+    for nodes in (nodes for nodes in alike.values() if len(nodes) > 1):
+        process_collective_bucket(graph, nodes, all_to_all_bucket, insert_before=nodes[-1].next,
+                                  trace_args_fn=lambda inputs, nodes=nodes: (
+                                      [node.meta["val"] for node in inputs], *nodes[0].args[1:4]))
 
 
 topological_sort = stable_topological_sort  # each node after its inputs, moving as few nodes as possible

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from simplefsdp.runtime.quantize import error_feedback_state
 from simplefsdp.runtime.replicate_compute import stored_parameters
 
 _COMPLETE = re.compile(r"^step-(\d+)$")
@@ -40,7 +41,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
-    """Save ``model`` and ``optimizer`` (sharded) with ``step`` as ``<root>/step-<step>``; all ranks call it."""
+    """Save ``model``, ``optimizer`` (sharded) and error feedback buffers with ``step`` as ``<root>/step-<step>``;
+    all ranks call it."""
     final = checkpoint_path(root, step)
     partial = final.with_name(f".{final.name}.partial")
     is_writer = dist.get_rank() == 0
@@ -50,7 +52,8 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     dist.barrier()
     with stored_parameters(model):
         model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state, "step": step}, checkpoint_id=partial)
+    dcp.save({"model": model_state, "optim": optim_state, "step": step, "errors": error_feedback_state(model)},
+             checkpoint_id=partial)
     if is_writer:  # the complete checkpoint replaces one of the same step
         stale = final.with_name(f".{final.name}.stale")
         shutil.rmtree(stale, ignore_errors=True)
@@ -63,7 +66,8 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``) in place; return its step.
+    """Load the checkpoint at ``path`` into ``model`` (its error feedback too, and ``optimizer``) in place; return
+    its step.
 
     Raises ``ValueError`` naming the first parameter whose shape differs, before any collective.
     """
@@ -73,7 +77,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     with stored_parameters(model):
         model_state = get_model_state_dict(model)
         check_compatible(path, model_state)
-        state = {"model": model_state, "step": -1}
+        state = {"model": model_state, "step": -1, "errors": error_feedback_state(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
         dcp.load(state, checkpoint_id=path)

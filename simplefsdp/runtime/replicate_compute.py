@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from simplefsdp.runtime.activation_checkpoint import checkpoint_context
 from simplefsdp.runtime.grad_sync import GradientSync, route_gradient
+from simplefsdp.runtime.quantize import Quantize, quantized_replicate
 
 
 def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -46,16 +47,20 @@ class ReplicateComputation:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     reshard_after_forward: bool
+    quantize: Quantize | None = None
     tensor_parallel: DeviceMesh | None = None  # the mesh of TP's DTensors (``parallelize_module``), if any
     sync: GradientSync = field(default_factory=GradientSync, compare=False)
 
-    def gather(self, param: DTensor) -> torch.Tensor:
-        """All-gather ``param`` in ``param_dtype``; its gradient is averaged over ranks in ``reduce_dtype``.
+    def gather(self, param: DTensor, error: torch.Tensor | None) -> torch.Tensor:
+        """All-gather ``param`` in ``param_dtype``; its gradient is averaged over ranks in ``reduce_dtype``, or both
+        in ``quantize``'s formats (``error``: this parameter's error feedback buffer, or None).
 
         On a (replicas, shards) mesh the gradient is reduce-scattered over the shards first and its
         shard then all-reduced over the replicas, so the replicas exchange shards, not whole gradients.
         """
         ndim = param.device_mesh.ndim
+        if self.quantize is not None and param.placements[-1].is_shard() and param.is_floating_point():
+            return quantized_replicate(param, error, self.quantize, self.param_dtype, self.reduce_dtype)
         grad_placements = [Partial("avg")] * ndim
         if self.tensor_parallel is not None and ndim == 2:  # (dp, tp): gather over dp, keep TP's shard
             tp_placement = param.placements[1]
@@ -73,26 +78,28 @@ class ReplicateComputation:
                                   backward_dtype=self.reduce_dtype)
         return full.to_local(grad_placements=grad_placements)
 
-    def compute_view(self, param: DTensor, accumulator: torch.Tensor) -> torch.Tensor:
+    def compute_view(self, param: DTensor, accumulator: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
         """The gathered parameter (TP's DTensor for a TP parameter); with sync off its gradient goes to
         ``accumulator`` unreduced."""
-        full = route_gradient(self.gather(param), accumulator, self.sync)
+        full = route_gradient(self.gather(param, error), accumulator, self.sync)
         if self.tensor_parallel is None or param.device_mesh.ndim == 1:
             return full
         return DTensor.from_local(full, self.tensor_parallel, param.placements[1:], run_check=False, shape=param.shape,
                                   stride=param.stride())
 
-    def __call__(self, param: DTensor, accumulator: torch.Tensor) -> torch.Tensor:
+    def __call__(self, param: DTensor, accumulator: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
         if self.reshard_after_forward:
-            return checkpoint(self.compute_view, param, accumulator, use_reentrant=False, context_fn=_reshard_context)
-        return self.compute_view(param, accumulator)
+            return checkpoint(self.compute_view, param, accumulator, error, use_reentrant=False,
+                              context_fn=_reshard_context)
+        return self.compute_view(param, accumulator, error)
 
 
-def install_getters(module: nn.Module, accumulators: dict[str, torch.Tensor], replicate: ReplicateComputation) -> None:
-    """Make ``module.<name>`` return ``replicate(module._parameters[name], accumulators[name])``.
+def install_getters(module: nn.Module, accumulators: dict[str, torch.Tensor], errors: dict[str, torch.Tensor | None],
+                    replicate: ReplicateComputation) -> None:
+    """Make ``module.<name>`` return ``replicate(module._parameters[name], accumulators[name], errors[name])``.
 
     By a subclass with one property per name, so ``state_dict`` and ``named_parameters`` still see the shards."""
-    module._grad_accumulators = accumulators
+    module._grad_accumulators, module._error_feedback = accumulators, errors
     cls = module._class_without_getters = module.__class__
     getters = {name: property(functools.partial(_read_parameter, name=name, replicate=replicate))
                for name in accumulators}
@@ -100,7 +107,7 @@ def install_getters(module: nn.Module, accumulators: dict[str, torch.Tensor], re
 
 
 def _read_parameter(module: nn.Module, name: str, replicate: ReplicateComputation) -> torch.Tensor:
-    return replicate(module._parameters[name], module._grad_accumulators[name])
+    return replicate(module._parameters[name], module._grad_accumulators[name], module._error_feedback[name])
 
 
 @contextlib.contextmanager

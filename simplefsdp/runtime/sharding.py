@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import is_fake  # private: the only test for 
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from simplefsdp.runtime.grad_sync import new_accumulator
+from simplefsdp.runtime.quantize import new_error_buffer
 from simplefsdp.runtime.replicate_compute import ReplicateComputation, install_getters
 from simplefsdp.runtime.tensor_parallel import shard_tensor_parallel
 
@@ -72,9 +73,9 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
     Values come from the mesh's first rank. A tied parameter becomes one DTensor shared by the same modules. A
     tensor-parallel DTensor (``parallelize_module``) becomes a DTensor on the (dp, tp) mesh (``tensor_parallel.py``).
     """
-    sharded: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+    sharded: dict[int, tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]] = {}
     for submodule in module.modules():
-        accumulators = {}
+        accumulators, errors = {}, {}
         for name, param in submodule._parameters.items():
             if param is None:
                 continue
@@ -83,7 +84,8 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
                 dtensor = (shard_tensor_parallel(param, mesh) if isinstance(param, DTensor)
                            else distribute_tensor(param.detach(), mesh, PLACEMENTS[mode]))
                 new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
-                sharded[id(param)] = (new_param, new_accumulator(computed, mesh.device_type))
-            submodule._parameters[name], accumulators[name] = sharded[id(param)]
+                error = new_error_buffer(param, mesh, replicate.quantize)
+                sharded[id(param)] = (new_param, new_accumulator(computed, mesh.device_type), error)
+            submodule._parameters[name], accumulators[name], errors[name] = sharded[id(param)]
         if accumulators:
-            install_getters(submodule, accumulators, replicate)
+            install_getters(submodule, accumulators, errors, replicate)
