@@ -1,9 +1,9 @@
 """``buckets="auto"``: buckets merged from small units where the cost model says merging is free.
 
 1. Cut the collectives into units. All-gathers: one per child module of a repeated block (``layers.3.attention``) and
-   per top-level module outside the blocks (``tok_embeddings``). Other kinds (reduce-scatters): one per block plus
-   head and tail (the ``"block"`` plan's units). Each unit has its full buffer bytes and the roofline compute time of
-   its modules' nodes.
+   per top-level module outside the blocks (``tok_embeddings``). Other kinds (reduce-scatters, all-to-alls,
+   all-reduces): one per block plus head and tail (the ``"block"`` plan's units). Each unit has its full buffer bytes
+   and the roofline compute time of its modules' nodes.
 2. Walk the units of each (kind, process group, dtype) in program order and grow the current bucket by the next unit
    while (a) the merged bucket's alpha-beta communication time still fits under the compute it overlaps: for an
    all-gather the previous bucket's (it is prefetched behind it), for the other kinds the next unit's
