@@ -55,7 +55,7 @@ def compile_sharded(
     (``[["tok_embeddings"], ["layers.0"], ...]``); ``reorder`` prefetches all-gathers ``prefetch`` buckets ahead and
     sinks waits. ``blocks`` names the repeated blocks (default: ``find_blocks(model)``). All-reduces (``replicate``,
     ``hybrid_shard``) are merged from per-block units up to DDP's 25 MiB (``"auto"``) or bucketed by bytes as DDP's
-    (``"block"``). ``quantize`` (``Quantize``) sends weights and gradients in low-bit formats (not ``replicate``).
+    (``"block"``). ``quantize`` (``Quantize``) sends weights and gradients in low-bit formats.
 
     FSDP x TP: apply ``parallelize_module(model, mesh_2d["tp"], plan)`` first, then pass ``mesh=mesh_2d["dp"]``;
     TP's DTensor parameters are sharded over dp as well, and the passes touch only the data-parallel collectives.
@@ -65,10 +65,11 @@ def compile_sharded(
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
         raise TypeError(f"mp_policy must be simplefsdp.MixedPrecision or None, got {type(mp_policy).__name__}")
-    if quantize is not None and not (isinstance(quantize, Quantize) and mode != "replicate"):
-        raise ValueError(f"quantize must be simplefsdp.Quantize(...) or None, with mode='fully_shard' or "
-                         f"'hybrid_shard' (got {type(quantize).__name__} with mode={mode!r}); replicate communicates "
-                         "in full precision")
+    if quantize is not None and not isinstance(quantize, Quantize):
+        raise TypeError(f"quantize must be simplefsdp.Quantize(...) or None, got {type(quantize).__name__}")
+    if quantize is not None and quantize.gather and mode == "replicate":
+        raise ValueError("mode='replicate' gathers no weights: pass Quantize(gather=None, reduce=...) to quantize its "
+                         "gradient exchange, or mode='fully_shard' to gather weights in int8")
     check_compile_options(compile_options)
     check_pass_options(model if isinstance(model, nn.Module) else None, buckets, reorder, prefetch, memory_budget,
                        blocks)

@@ -3,6 +3,7 @@ exchange, error feedback, no-sync and checkpoints, and the quantized graphs on t
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -52,8 +53,10 @@ def test_bad_options_are_refused_before_anything_compiles():
                              ({"block_size": 0}, "block_size=0"), ({"beta": 1.0}, "beta=1.0")]:
         with pytest.raises(ValueError, match=message):
             Quantize(**options)
-    with pytest.raises(ValueError, match="mode='fully_shard' or 'hybrid_shard'"):
+    with pytest.raises(ValueError, match="replicate' gathers no weights"):
         compile_sharded(nn.Linear(2, 2), mode="replicate", quantize=QUANTIZE)
+    with pytest.raises(TypeError, match="simplefsdp.Quantize"):
+        compile_sharded(nn.Linear(2, 2), quantize="int8")
     shared = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="tied parameters"):  # a compiled backward would add their error twice
         compile_sharded(nn.Sequential(shared, shared), quantize=QUANTIZE)
@@ -95,13 +98,16 @@ def _batch(number, rank):
     return (torch.randint(-3, 4, shape, generator=generator).float() for shape in ((4, 16), (4, 33)))
 
 
-def _hybrid_steps(root):
-    """``hybrid_shard`` on 2 replicas of 1 shard: two steps' gradients and error buffers, whether every replica
-    holds the same gradient bits, and whether a checkpoint gives back the error buffers."""
+def _replica_steps(root, mode):
+    """``hybrid_shard`` on 2 replicas of 1 shard, or ``replicate`` on 2 ranks (the same exchange): two steps'
+    gradients and error buffers, whether every replica holds the same gradient bits, and whether a checkpoint gives
+    back the error buffers."""
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = compile_sharded(nn.Linear(16, 33), mesh=init_device_mesh("cpu", (2, 1)), mode="hybrid_shard",
-                            quantize=QUANTIZE, backend="aot_eager")
+    mesh, quantize = init_device_mesh("cpu", (2, 1) if mode == "hybrid_shard" else (2,)), QUANTIZE
+    if mode == "replicate":
+        quantize = dataclasses.replace(QUANTIZE, gather=None)
+    model = compile_sharded(nn.Linear(16, 33), mesh=mesh, mode=mode, quantize=quantize, backend="aot_eager")
     plain = nn.Linear(16, 33)
     exact = same = True
     for number in (1, 2):
@@ -188,8 +194,9 @@ def _quantized_steps(root):
     inputs = [torch.randint(0, 256, (world, n), dtype=torch.uint8, generator=generator) for n in (3, 5, 8)]
     alone = [functional.wait_tensor(functional.all_to_all_single(t, splits, splits, group)) for t in inputs]
     results["bucket_exact"] = equal(all_to_all_bucket(inputs, splits, splits, group), alone)
-    hybrid = _hybrid_steps(f"{root}/hybrid")
-    results["hybrid_exact"], results["hybrid_replicas_equal"], results["hybrid_loaded"] = hybrid
+    for mode in ("hybrid_shard", "replicate"):
+        results[f"{mode}_exact"], results[f"{mode}_replicas_equal"], results[f"{mode}_loaded"] = _replica_steps(
+            f"{root}/{mode}", mode)
     return results
 
 
@@ -204,9 +211,10 @@ def test_quantized_step_matches_the_hand_computed_exchange(tmp_path):
         assert result["loaded_exact"]  # weights and error buffers as saved, after a step that changed both
         assert result["resume_exact"]  # the step after loading reproduces the step after saving
         assert result["bucket_exact"]
-        assert result["hybrid_exact"]  # the cross-replica exchange as the hand reference, bitwise
-        assert result["hybrid_replicas_equal"]
-        assert result["hybrid_loaded"]
+        for mode in ("hybrid_shard", "replicate"):
+            assert result[f"{mode}_exact"], mode  # the cross-replica exchange as the hand reference, bitwise
+            assert result[f"{mode}_replicas_equal"], mode
+            assert result[f"{mode}_loaded"], mode
 
 
 def _passed_schedules(quantize, mode="fully_shard", mesh_shape=(8,)):
@@ -231,10 +239,11 @@ def test_quantized_collectives_bucket_like_full_precision_ones_with_uint8_payloa
     with fake_world(8):
         full, quantized = _passed_schedules(None), _passed_schedules(QUANTIZE)
         hybrid = _passed_schedules(QUANTIZE, "hybrid_shard", (2, 4))
+        replicate = _passed_schedules(dataclasses.replace(QUANTIZE, gather=None), "replicate")
     as_quantized = {"all_gather": "all_gather", "reduce_scatter": "all_to_all"}
     for full_schedule, schedule in zip(full, quantized):
         assert _kinds(schedule) == Counter(as_quantized[node.collective.kind] for node in full_schedule.collectives())
-    for schedule in [*quantized, *hybrid]:
+    for schedule in [*quantized, *hybrid, replicate[1]]:
         assert {node.collective.dtype for node in schedule.collectives()} == {torch.uint8}
     # one gradient exchange each for the head (two layers) and the two blocks, not one per parameter (eight)
     assert _kinds(quantized[1])["all_to_all"] == 3
@@ -242,3 +251,6 @@ def test_quantized_collectives_bucket_like_full_precision_ones_with_uint8_payloa
     # chunk) and an all-gather of the sums, where full precision has all-reduces (merged by bytes with "block")
     assert _kinds(hybrid[0]) == _kinds(quantized[0])
     assert _kinds(hybrid[1]) == _kinds(quantized[1]) + Counter({"all_to_all": 3, "all_gather": 3})
+    # replicate: no all-gather in the forward, and the replicas' exchange alone in the backward
+    assert _kinds(replicate[0]) == Counter()
+    assert _kinds(replicate[1]) == Counter({"all_to_all": 3, "all_gather": 3})

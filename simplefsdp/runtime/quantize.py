@@ -1,5 +1,5 @@
 """Low-bit communication (``Quantize``): the wire format, and replicate-for-compute over ``Shard(0)``'s ranks
-(``fully_shard``; ``hybrid_shard``'s shards, then its replicas).
+(``fully_shard``; ``hybrid_shard``'s shards, then its replicas) and over ``replicate``'s replicas.
 
 Format: each block of ``block_size`` values travels as one fp32 scale (``absmax / qmax``) and its codes
 ``round(x / scale)`` in ``[-qmax, qmax]``: int8 (qmax 127, a byte each) or int4 (qmax 7, two to a byte); a packed row
@@ -15,12 +15,13 @@ every replica decodes the same bits. Without a format the collectives are hybrid
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 QMAX = {"int8": 127, "int4": 7}
 # A scale travels as its four bytes, lowest first, taken with shifts: Inductor miscompiles a uint8 → float32 view
@@ -92,10 +93,18 @@ def padded_rows(shape: torch.Size, shards: int, block_size: int, replicas: int =
     return values, -(-values // unit) * unit
 
 
-def new_error_buffer(param: torch.Tensor, mesh: DeviceMesh, quantize: Quantize | None) -> torch.Tensor | None:
-    """One rank's error feedback, fp32: ``(shards, padded)``, a row per destination rank (none for one shard), and on
-    a (replicas, shards) mesh one more row for the exchange between replicas; None when not needed."""
-    replicas, shards = (1, *mesh.shape) if mesh.ndim == 1 else mesh.shape
+def replicas_and_shards(mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[int, int]:
+    """How many replicas of how many shards ``placements`` on ``mesh`` make: ``(1, n)`` for ``Shard(0)``, ``(n, 1)``
+    for ``Replicate()``, the mesh's shape for ``(Replicate(), Shard(0))``."""
+    shards = mesh.size(mesh.ndim - 1) if placements[-1].is_shard() else 1
+    return mesh.size(0) if mesh.ndim == 2 or not placements[0].is_shard() else 1, shards
+
+
+def new_error_buffer(param: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
+                     quantize: Quantize | None) -> torch.Tensor | None:
+    """One rank's error feedback, fp32: ``(shards, padded)``, a row per destination rank (none for one shard), and
+    with replicas one more row for the exchange between them; None when not needed."""
+    replicas, shards = replicas_and_shards(mesh, placements)
     rows = shards * (shards > 1) + (replicas > 1)
     if quantize is None or quantize.reduce is None or not quantize.error_feedback or not param.is_floating_point() \
             or not rows:
@@ -118,15 +127,17 @@ def _exchange(rows: torch.Tensor, error: torch.Tensor | None, quantize: Quantize
 
 class _QuantizedReplicate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard, error, mesh, shape, quantize, param_dtype, reduce_dtype):
+    def forward(ctx, shard, error, mesh, placements, shape, quantize, param_dtype, reduce_dtype):
         shard_group = (mesh, mesh.ndim - 1)
-        shards, replicas = mesh.size(mesh.ndim - 1), mesh.size(0) if mesh.ndim == 2 else 1
+        replicas, shards = replicas_and_shards(mesh, placements)
         values, padded = padded_rows(shape, shards, quantize.block_size, replicas)
         ctx.mesh, ctx.shard_shape, ctx.shard_dtype = mesh, shard.shape, shard.dtype
         ctx.quantize, ctx.reduce_dtype, ctx.error = quantize, reduce_dtype, error
         ctx.values, ctx.padded, ctx.shards, ctx.replicas = values, padded, shards, replicas
         row = shard.reshape(1, -1)
-        if quantize.gather is None:
+        if shards == 1:  # replicas only: nothing to gather
+            full = row.to(param_dtype)
+        elif quantize.gather is None:
             row = torch.nn.functional.pad(row.to(param_dtype), (0, values - row.shape[1]))
             full = funcol.all_gather_tensor(row, 0, shard_group).reshape(shards, values)
         else:
@@ -142,7 +153,9 @@ class _QuantizedReplicate(torch.autograd.Function):
         rows = torch.nn.functional.pad(grad.reshape(-1), (0, shards * ctx.values - grad.numel())).reshape(shards, -1)
         if quantize.reduce is None:
             dtype = ctx.reduce_dtype or grad.dtype
-            mine = funcol.reduce_scatter_tensor(rows.to(dtype).reshape(-1), "sum", 0, shard_group) / shards
+            mine = rows.to(dtype).reshape(-1)
+            if shards > 1:
+                mine = funcol.reduce_scatter_tensor(mine, "sum", 0, shard_group) / shards
             if replicas > 1:  # gloo has no "avg"
                 mine = funcol.all_reduce(mine, "sum", replica_group) / replicas
         else:
@@ -163,7 +176,7 @@ class _QuantizedReplicate(torch.autograd.Function):
                 error.copy_(torch.cat(new_error))
             mine = mine[:ctx.values]
         shard_grad = mine[:ctx.shard_shape.numel()].reshape(ctx.shard_shape).to(ctx.shard_dtype)
-        return shard_grad, None, None, None, None, None, None
+        return shard_grad, None, None, None, None, None, None, None
 
 
 def quantized_replicate(param: DTensor, error: torch.Tensor | None, quantize: Quantize,
@@ -171,7 +184,8 @@ def quantized_replicate(param: DTensor, error: torch.Tensor | None, quantize: Qu
     """The full ``param`` in ``param_dtype``, gathered and its gradient reduced in ``quantize``'s formats."""
     shard = param.to_local()
     dtype = param_dtype or shard.dtype
-    return _QuantizedReplicate.apply(shard, error, param.device_mesh, param.shape, quantize, dtype, reduce_dtype)
+    return _QuantizedReplicate.apply(shard, error, param.device_mesh, param.placements, param.shape, quantize, dtype,
+                                     reduce_dtype)
 
 
 def error_feedback_state(model: nn.Module) -> dict[str, DTensor]:

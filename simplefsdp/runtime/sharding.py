@@ -84,7 +84,7 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
                 dtensor = (shard_tensor_parallel(param, mesh) if isinstance(param, DTensor)
                            else distribute_tensor(param.detach(), mesh, PLACEMENTS[mode]))
                 new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
-                error = new_error_buffer(param, mesh, replicate.quantize)
+                error = new_error_buffer(param, mesh, PLACEMENTS[mode], replicate.quantize)
                 sharded[id(param)] = (new_param, new_accumulator(computed, mesh.device_type), error)
             submodule._parameters[name], accumulators[name], errors[name] = sharded[id(param)]
         if accumulators:
