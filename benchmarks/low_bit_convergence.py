@@ -24,6 +24,9 @@ RUNS = {
     "int8 gather, int8 reduce + EF": ["--quantize-gather", "int8", "--quantize-reduce", "int8"],
     "int4 reduce + EF": ["--quantize-reduce", "int4"],
     "int4 reduce, no EF": ["--quantize-reduce", "int4", "--no-error-feedback"],
+    "int4 reduce, block 4096 + EF": ["--quantize-reduce", "int4", "--quantize-block-size", "4096"],
+    "int4 reduce, block 4096, no EF": ["--quantize-reduce", "int4", "--quantize-block-size", "4096",
+                                       "--no-error-feedback"],
 }
 
 

@@ -66,6 +66,8 @@ def _workload(model: str, batch_size: int, seq_len: int | None, dtypes: tuple) -
                         help="exchange gradients in this format, with error feedback")
     parser.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
                         help="with --quantize-reduce: no error feedback buffers")
+    parser.add_argument("--quantize-block-size", type=int, default=256, metavar="N",
+                        help="values per fp32 scale in the low-bit formats (256)")
     return parser
 
 

@@ -362,7 +362,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             reshard_after_forward=args.reshard_after_forward, buckets=args.buckets, reorder=args.reorder,
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
             activation_checkpointing=args.activation_checkpointing, loss_fn=_next_token_loss,
-            quantize=quantize_option(args.quantize_gather, args.quantize_reduce, args.error_feedback),
+            quantize=quantize_option(args),
             replica_groups=args.replica_groups, device=device, tp=args.tp)
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None

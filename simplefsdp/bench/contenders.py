@@ -34,7 +34,7 @@ class Contender:
 
 def _simplefsdp(model: nn.Module, args: argparse.Namespace, **options) -> nn.Module:
     mp_policy = MixedPrecision(args.param_dtype, args.reduce_dtype)
-    quantize = quantize_option(args.quantize_gather, args.quantize_reduce, args.error_feedback)
+    quantize = quantize_option(args)
     options.setdefault("quantize", quantize)
     return compile_sharded(model, mp_policy=mp_policy, backend=args.backend, **options)
 

@@ -14,6 +14,7 @@ every replica decodes the same bits. Without a format the collectives are hybrid
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -55,9 +56,11 @@ class Quantize:
             raise ValueError(f"Quantize(beta={self.beta!r}) must be in [0, 1); 0 keeps just the last residual")
 
 
-def quantize_option(gather: str | None, reduce: str | None, error_feedback: bool = True) -> Quantize | None:
-    """``Quantize(gather, reduce, error_feedback=...)``, other options at their defaults; None when both are None."""
-    return None if gather is None and reduce is None else Quantize(gather, reduce, error_feedback=error_feedback)
+def quantize_option(args: argparse.Namespace) -> Quantize | None:
+    """The ``Quantize`` the command line's ``--quantize-*`` and ``--no-error-feedback`` flags ask for, or None."""
+    if args.quantize_gather is None and args.quantize_reduce is None:
+        return None
+    return Quantize(args.quantize_gather, args.quantize_reduce, args.quantize_block_size, args.error_feedback)
 
 
 def quantize_pack(rows: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
