@@ -34,8 +34,7 @@ class Contender:
 
 def _simplefsdp(model: nn.Module, args: argparse.Namespace, **options) -> nn.Module:
     mp_policy = MixedPrecision(args.param_dtype, args.reduce_dtype)
-    quantize = quantize_option(args)
-    options.setdefault("quantize", quantize)
+    options.setdefault("quantize", quantize_option(args))
     return compile_sharded(model, mp_policy=mp_policy, backend=args.backend, **options)
 
 

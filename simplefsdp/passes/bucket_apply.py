@@ -1,8 +1,8 @@
 """Bucket apply: rewrite an FX graph so each planned bucket becomes one collective on a flat buffer.
 
 An all-gather bucket gathers where its first all-gather was, a reduce-scatter, all-reduce or all-to-all bucket
-reduces after its last one (when all its gradients exist). Every element is reduced with the same peers in the same order: numerics are
-bitwise unchanged.
+reduces after its last one (when all its gradients exist). Every element is reduced with the same peers in the same
+order: numerics are bitwise unchanged.
 """
 
 from __future__ import annotations
