@@ -17,7 +17,7 @@ from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
 from simplefsdp.runtime.quantize import Quantize
-from simplefsdp.runtime.replicate_compute import ReplicateComputation
+from simplefsdp.runtime.replicate_compute import ReplicateComputation, gather_tied_once_per_call, reduce_pending
 from simplefsdp.runtime.sharding import (broadcast_buffers, check_not_sharded, check_same_model_on_all_ranks,
                                          holds_values, shard_parameters)
 from simplefsdp.runtime.tensor_parallel import tensor_parallel_mesh
@@ -82,10 +82,6 @@ def compile_sharded(
     if passes:
         check_no_custom_post_pass(compile_options)
     check_not_sharded(model)
-    tied = len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
-    if tied and quantize is not None and quantize.reduce and quantize.error_feedback:
-        raise ValueError("the model has tied parameters, whose error feedback would count twice; pass "
-                         "Quantize(..., error_feedback=False) or untie them")
     mesh = mesh if mesh is not None else default_mesh(mode)
     check_mesh(mesh, mode)
     tp_mesh = tensor_parallel_mesh(model, mesh, mode)
@@ -108,9 +104,10 @@ def compile_sharded(
                                      reshard_after_forward=reshard_after_forward and mode != "replicate",
                                      quantize=quantize, tensor_parallel=tp_mesh)
     shard_parameters(model, mesh, mode, replicate)
+    gather_tied_once_per_call(model, replicate)
     if mp_policy.param_dtype is not None:
         cast_floating_inputs(model, mp_policy.param_dtype)
-    add_gradient_sync_methods(model, replicate.sync)
+    add_gradient_sync_methods(model, replicate.sync, functools.partial(reduce_pending, replicate))
     if compile:
         compile_in_place(model, backend, compile_options)
     return model

@@ -1,17 +1,18 @@
 """Gradient accumulation without communication (FSDP2's ``set_requires_gradient_sync(False)``).
 
 While sync is off, a gathered parameter's gradient flows not to the sharded parameter (no reduction) but into a
-per-parameter accumulator leaf, where autograd sums the unreduced local gradients across micro-batches; the next
-backward with sync on adds that sum before its one reduction, then drops it. ``torch.compile`` guards on the flag and
-on a pending sum: one graph per state. Known cost: with sync off the compiled backward keeps the forward's gathered
-parameters (the partitioner does not recompute a gather whose output has no gradient path).
+per-parameter accumulator leaf in the reduce dtype, where autograd sums the unreduced local gradients across
+micro-batches and across every read of the parameter. A backward with sync on while a sum is pending routes its
+gradient there too; once that backward has accumulated it, the sum is reduced once, in the reduce dtype, into the
+sharded parameter's ``.grad`` (``register_pending_reductions``), as FSDP2 reduces its accumulated unsharded gradient.
+``torch.compile`` guards on the flag and on a pending sum: one graph for "reduce now", one for "accumulate".
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -22,16 +23,18 @@ class GradientSync:
 
     def __init__(self) -> None:
         self.enabled = True
-        self.drops_registered = False
+        self.reductions_registered = False
 
 
-def new_accumulator(param: torch.Tensor, device: str) -> torch.Tensor:
-    """A memory-free leaf of ``param``'s full shape on ``device``; its ``.grad`` is the pending sum."""
-    return param.new_zeros((), device=device).expand(param.shape).requires_grad_()  # fake when param is fake
+def new_accumulator(param: torch.Tensor, device: str, dtype: torch.dtype | None) -> torch.Tensor:
+    """A memory-free leaf of ``param``'s full shape on ``device`` in ``dtype`` (default: ``param``'s); its ``.grad``
+    is the pending sum."""
+    zero = param.new_zeros((), device=device, dtype=dtype or param.dtype)  # fake when param is fake
+    return zero.expand(param.shape).requires_grad_()
 
 
 class _RouteGradient(torch.autograd.Function):
-    """Identity on ``value``; the incoming gradient goes to ``accumulator`` instead of ``value``."""
+    """Identity on ``value``; the incoming gradient goes to ``accumulator`` (in its dtype) instead of ``value``."""
 
     @staticmethod
     def forward(ctx, value: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
@@ -43,53 +46,44 @@ class _RouteGradient(torch.autograd.Function):
         return None, grad.to(ctx.accumulator_dtype)
 
 
-class _AddPending(torch.autograd.Function):
-    """Identity on ``value``; its gradient gets ``pending`` added (in ``pending``'s dtype) on the way back."""
-
-    @staticmethod
-    def forward(ctx, value: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
-        # Kept on ctx, not saved for backward: under activation checkpointing this forward may
-        # be recomputed after the pending sum was dropped, and saved tensors must match.
-        ctx.pending = pending
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return (grad.to(ctx.pending.dtype) + ctx.pending).to(grad.dtype), None
-
-
 def route_gradient(full: torch.Tensor, accumulator: torch.Tensor, sync: GradientSync) -> torch.Tensor:
-    """``full`` for the forward; its gradient accumulates unreduced in ``accumulator.grad`` with sync off, and with
-    sync on it includes the sum pending there, if any."""
-    if not sync.enabled:
-        return _RouteGradient.apply(full.detach(), accumulator)
-    return full if accumulator.grad is None else _AddPending.apply(full, accumulator.grad)
+    """``full`` for the forward; its gradient goes to ``accumulator.grad`` unreduced when sync is off or a sum is
+    pending there, else through ``full``'s own backward (the reduction)."""
+    if sync.enabled and accumulator.grad is None:
+        return full
+    return _RouteGradient.apply(full.detach(), accumulator)
 
 
-def register_pending_drops(model: nn.Module, sync: GradientSync) -> None:
-    """Clear each accumulator's pending sum once a backward with sync on has accumulated its parameter's gradient.
+Reduce = Callable[[nn.Module, str, torch.Tensor], None]
 
-    Registered when sync is first turned off, so on the parameters as they are then (``to_empty`` replaces them).
-    The hooks also fire with sync off (a compiled backward runs every accumulation), where they keep the sum."""
+
+def register_pending_reductions(model: nn.Module, sync: GradientSync, reduce: Reduce) -> None:
+    """After each backward with sync on, ``reduce(module, name, pending)`` each parameter's pending sum, once, and
+    drop it; with sync off the sum stays. A parameter shared by several modules has one accumulator and one hook."""
+    seen: set[int] = set()
     for module in model.modules():
         for name, accumulator in vars(module).get("_grad_accumulators", {}).items():
-            module._parameters[name].register_post_accumulate_grad_hook(functools.partial(_drop, sync, accumulator))
+            if id(accumulator) not in seen:
+                seen.add(id(accumulator))
+                accumulator.register_post_accumulate_grad_hook(functools.partial(_reduce, sync, reduce, module, name))
 
 
-def _drop(sync: GradientSync, accumulator: torch.Tensor, _: torch.Tensor) -> None:
+def _reduce(sync: GradientSync, reduce: Reduce, module: nn.Module, name: str, accumulator: torch.Tensor) -> None:
     if sync.enabled:
-        accumulator.grad = None
+        pending, accumulator.grad = accumulator.grad, None
+        reduce(module, name, pending)
 
 
 class GradientSyncMethods:
     """FSDP2's gradient-sync controls, mixed into the class of the model ``compile_sharded`` returns."""
     _gradient_sync: GradientSync
+    _reduce_pending: Reduce
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Off: backwards keep full gradients locally with no communication. On: the next backward reduces all."""
-        if not requires_gradient_sync and not self._gradient_sync.drops_registered:
-            register_pending_drops(self, self._gradient_sync)
-            self._gradient_sync.drops_registered = True
+        if not requires_gradient_sync and not self._gradient_sync.reductions_registered:
+            register_pending_reductions(self, self._gradient_sync, self._reduce_pending)
+            self._gradient_sync.reductions_registered = True
         self._gradient_sync.enabled = bool(requires_gradient_sync)
 
     @contextlib.contextmanager
@@ -103,7 +97,8 @@ class GradientSyncMethods:
             self.set_requires_gradient_sync(previous)
 
 
-def add_gradient_sync_methods(model: nn.Module, sync: GradientSync) -> None:
-    """Give ``model`` the methods of ``GradientSyncMethods``, controlling ``sync``, by swapping its class."""
-    model._gradient_sync = sync
+def add_gradient_sync_methods(model: nn.Module, sync: GradientSync, reduce: Reduce) -> None:
+    """Give ``model`` the methods of ``GradientSyncMethods``, controlling ``sync``; ``reduce(module, name, pending)``
+    reduces a pending sum into the parameter's ``.grad``. By swapping the model's class."""
+    model._gradient_sync, model._reduce_pending = sync, reduce
     model.__class__ = type(type(model).__name__, (GradientSyncMethods, type(model)), {})

@@ -134,9 +134,9 @@ class _QuantizedReplicate(torch.autograd.Function):
         shard_group = (mesh, mesh.ndim - 1)
         replicas, shards = replicas_and_shards(mesh, placements)
         values, padded = padded_rows(shape, shards, quantize.block_size, replicas)
-        ctx.mesh, ctx.shard_shape, ctx.shard_dtype = mesh, shard.shape, shard.dtype
-        ctx.quantize, ctx.reduce_dtype, ctx.error = quantize, reduce_dtype, error
-        ctx.values, ctx.padded, ctx.shards, ctx.replicas = values, padded, shards, replicas
+        ctx.mesh, ctx.placements, ctx.shape, ctx.error = mesh, placements, shape, error
+        ctx.quantize, ctx.reduce_dtype = quantize, reduce_dtype
+        ctx.shard_shape, ctx.shard_dtype = shard.shape, shard.dtype
         row = shard.reshape(1, -1)
         if shards == 1:  # replicas only: nothing to gather
             full = row.to(param_dtype)
@@ -151,35 +151,45 @@ class _QuantizedReplicate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        quantize, shards, replicas, error = ctx.quantize, ctx.shards, ctx.replicas, ctx.error
-        shard_group, replica_group = (ctx.mesh, ctx.mesh.ndim - 1), (ctx.mesh, 0)
-        rows = torch.nn.functional.pad(grad.reshape(-1), (0, shards * ctx.values - grad.numel())).reshape(shards, -1)
-        if quantize.reduce is None:
-            dtype = ctx.reduce_dtype or grad.dtype
-            mine = rows.to(dtype).reshape(-1)
-            if shards > 1:
-                mine = funcol.reduce_scatter_tensor(mine, "sum", 0, shard_group) / shards
-            if replicas > 1:  # gloo has no "avg"
-                mine = funcol.all_reduce(mine, "sum", replica_group) / replicas
-        else:
-            sent = torch.nn.functional.pad(rows.float(), (0, ctx.padded - ctx.values))
-            mine, new_error = sent[0], []  # a one-rank exchange moves nothing: not rounded
-            if shards > 1:
-                mine, shard_error = _exchange(sent, None if error is None else error[:shards], quantize, shard_group)
-                mine, new_error = mine / shards, [shard_error]
-            if replicas > 1:  # each replica sums one chunk, then gathers all, quantized: every replica decodes the same
-                chunks = mine.reshape(replicas, -1)
-                reduced, chunk_error = _exchange(chunks, None if error is None else error[-1].reshape(chunks.shape),
-                                                 quantize, replica_group)
-                packed = quantize_pack((reduced / replicas).reshape(1, -1), quantize.reduce, quantize.block_size)
-                gathered = funcol.all_gather_tensor(packed, 0, replica_group)
-                mine = unpack_dequantize(gathered, quantize.reduce, quantize.block_size).reshape(-1)
-                new_error.append(None if error is None else chunk_error.reshape(1, -1))
-            if error is not None:
-                error.copy_(torch.cat(new_error))
-            mine = mine[:ctx.values]
-        shard_grad = mine[:ctx.shard_shape.numel()].reshape(ctx.shard_shape).to(ctx.shard_dtype)
+        shard_grad = quantized_reduce(grad, ctx.error, ctx.mesh, ctx.placements, ctx.shape, ctx.quantize,
+                                      ctx.reduce_dtype, ctx.shard_shape, ctx.shard_dtype)
         return shard_grad, None, None, None, None, None, None, None
+
+
+def quantized_reduce(grad: torch.Tensor, error: torch.Tensor | None, mesh: DeviceMesh, placements: Sequence[Placement],
+                     shape: torch.Size, quantize: Quantize, reduce_dtype: torch.dtype | None, shard_shape: torch.Size,
+                     shard_dtype: torch.dtype) -> torch.Tensor:
+    """This rank's shard of the average over ranks of the full gradients ``grad``, exchanged in ``quantize.reduce``'s
+    format with error feedback (``error`` is updated in place), or plainly in ``reduce_dtype`` without a format."""
+    shard_group, replica_group = (mesh, mesh.ndim - 1), (mesh, 0)
+    replicas, shards = replicas_and_shards(mesh, placements)
+    values, padded = padded_rows(shape, shards, quantize.block_size, replicas)
+    rows = torch.nn.functional.pad(grad.reshape(-1), (0, shards * values - grad.numel())).reshape(shards, -1)
+    if quantize.reduce is None:
+        dtype = reduce_dtype or grad.dtype
+        mine = rows.to(dtype).reshape(-1)
+        if shards > 1:
+            mine = funcol.reduce_scatter_tensor(mine, "sum", 0, shard_group) / shards
+        if replicas > 1:  # gloo has no "avg"
+            mine = funcol.all_reduce(mine, "sum", replica_group) / replicas
+    else:
+        sent = torch.nn.functional.pad(rows.float(), (0, padded - values))
+        mine, new_error = sent[0], []  # a one-rank exchange moves nothing: not rounded
+        if shards > 1:
+            mine, shard_error = _exchange(sent, None if error is None else error[:shards], quantize, shard_group)
+            mine, new_error = mine / shards, [shard_error]
+        if replicas > 1:  # each replica sums one chunk, then gathers all, quantized: every replica decodes the same
+            chunks = mine.reshape(replicas, -1)
+            reduced, chunk_error = _exchange(chunks, None if error is None else error[-1].reshape(chunks.shape),
+                                             quantize, replica_group)
+            packed = quantize_pack((reduced / replicas).reshape(1, -1), quantize.reduce, quantize.block_size)
+            gathered = funcol.all_gather_tensor(packed, 0, replica_group)
+            mine = unpack_dequantize(gathered, quantize.reduce, quantize.block_size).reshape(-1)
+            new_error.append(None if error is None else chunk_error.reshape(1, -1))
+        if error is not None:
+            error.copy_(torch.cat(new_error))
+        mine = mine[:values]
+    return mine[:shard_shape.numel()].reshape(shard_shape).to(shard_dtype)
 
 
 def quantized_replicate(param: DTensor, error: torch.Tensor | None, quantize: Quantize,

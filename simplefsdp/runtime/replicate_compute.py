@@ -4,7 +4,8 @@ Reading ``module.weight`` gathers the DTensor shard into a full local tensor (al
 ``Replicate``), cast to the compute dtype; a tensor-parallel parameter is gathered over dp only, into TP's own
 DTensor. Its backward turns the local gradient into a ``Partial("avg")`` DTensor and reduces it back to the
 parameter's placement: reduce-scatter, all-reduce, or both. With gradient sync off (``grad_sync.py``) the gradient
-goes to an accumulator instead.
+goes to an accumulator instead. Within one compiled call of the root module a tied parameter is gathered once, however
+many modules read it: one gather and one reduction.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from simplefsdp.runtime.activation_checkpoint import checkpoint_context
 from simplefsdp.runtime.grad_sync import GradientSync, route_gradient
-from simplefsdp.runtime.quantize import Quantize, quantized_replicate
+from simplefsdp.runtime.quantize import Quantize, quantized_reduce, quantized_replicate
 
 
 def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -40,6 +41,13 @@ logging.getLogger("torch._higher_order_ops.wrap").addFilter(
     lambda record: "context_fn is passed to torch.utils.checkpoint" not in record.getMessage())
 
 
+class ForwardGathers:
+    """The tied parameters gathered for the current compiled call of the root module, by parameter key; else None."""
+
+    def __init__(self) -> None:
+        self.gathered: dict[int, torch.Tensor] | None = None
+
+
 @dataclass(frozen=True)
 class ReplicateComputation:
     """Turns a sharded DTensor parameter into the full local tensor the forward computes with."""
@@ -50,6 +58,7 @@ class ReplicateComputation:
     quantize: Quantize | None = None
     tensor_parallel: DeviceMesh | None = None  # the mesh of TP's DTensors (``parallelize_module``), if any
     sync: GradientSync = field(default_factory=GradientSync, compare=False)
+    gathers: ForwardGathers = field(default_factory=ForwardGathers, compare=False)
 
     def gather(self, param: DTensor, error: torch.Tensor | None) -> torch.Tensor:
         """All-gather ``param`` in ``param_dtype``; its gradient is averaged over ranks in ``reduce_dtype``, or both
@@ -87,6 +96,24 @@ class ReplicateComputation:
         return DTensor.from_local(full, self.tensor_parallel, param.placements[1:], run_check=False, shape=param.shape,
                                   stride=param.stride())
 
+    def reduce(self, param: DTensor, grad: torch.Tensor, error: torch.Tensor | None) -> DTensor:
+        """What ``gather``'s backward gives ``param`` for the full local gradient ``grad`` (in the reduce dtype):
+        averaged over the data-parallel ranks, placed as ``param``, in ``param``'s dtype."""
+        mesh, placements = param.device_mesh, param.placements
+        if self.quantize is not None and param.is_floating_point():
+            local = quantized_reduce(grad, error, mesh, placements, param.shape, self.quantize, self.reduce_dtype,
+                                     param.to_local().shape, param.dtype)
+            return DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape,
+                                      stride=param.stride())
+        if self.tensor_parallel is not None and mesh.ndim == 2:  # (dp, tp): reduce over dp, keep TP's shard
+            steps = [[Partial("avg"), placements[1]], placements]
+        else:  # hybrid: reduce-scatter over the shards first, then all-reduce the shard over the replicas
+            steps = [[Partial("avg")] * mesh.ndim, [Partial("avg")] * (mesh.ndim - 1) + [placements[-1]], placements]
+        reduced = DTensor.from_local(grad, mesh, steps[0], run_check=False, shape=param.shape, stride=param.stride())
+        for step in steps[1:]:
+            reduced = reduced.redistribute(mesh, step)
+        return reduced.to(param.dtype)
+
     def __call__(self, param: DTensor, accumulator: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
         if self.reshard_after_forward:
             return checkpoint(self.compute_view, param, accumulator, error, use_reentrant=False,
@@ -94,12 +121,13 @@ class ReplicateComputation:
         return self.compute_view(param, accumulator, error)
 
 
-def install_getters(module: nn.Module, accumulators: dict[str, torch.Tensor], errors: dict[str, torch.Tensor | None],
-                    replicate: ReplicateComputation) -> None:
-    """Make ``module.<name>`` return ``replicate(module._parameters[name], accumulators[name], errors[name])``.
+def install_getters(module: nn.Module, keys: dict[str, int], accumulators: dict[str, torch.Tensor],
+                    errors: dict[str, torch.Tensor | None], replicate: ReplicateComputation) -> None:
+    """Make ``module.<name>`` return ``replicate(module._parameters[name], accumulators[name], errors[name])``, once
+    per root call for each parameter key (``keys[name]``, shared by a tied parameter's modules).
 
     By a subclass with one property per name, so ``state_dict`` and ``named_parameters`` still see the shards."""
-    module._grad_accumulators, module._error_feedback = accumulators, errors
+    module._gather_keys, module._grad_accumulators, module._error_feedback = keys, accumulators, errors
     cls = module._class_without_getters = module.__class__
     getters = {name: property(functools.partial(_read_parameter, name=name, replicate=replicate))
                for name in accumulators}
@@ -107,7 +135,43 @@ def install_getters(module: nn.Module, accumulators: dict[str, torch.Tensor], er
 
 
 def _read_parameter(module: nn.Module, name: str, replicate: ReplicateComputation) -> torch.Tensor:
+    gathered = replicate.gathers.gathered
+    if gathered is not None and module._gather_keys[name] in gathered:
+        return gathered[module._gather_keys[name]]
     return replicate(module._parameters[name], module._grad_accumulators[name], module._error_feedback[name])
+
+
+def gather_tied_once_per_call(model: nn.Module, replicate: ReplicateComputation) -> None:
+    """Each compiled call of ``model`` gathers every tied parameter (one read by several modules) once, before the
+    forward, and each read returns that tensor: one gather and one reduction for all its modules.
+
+    Before the forward, so that a read inside a checkpointed block only reads it (a tensor gathered in one block could
+    not be handed to another). Eager calls (``compile=False``) gather at every read: eager activation checkpointing
+    re-runs a block's reads in backward and must see the ops its forward ran. The sum of the gradients is the same."""
+    readers: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, key in vars(module).get("_gather_keys", {}).items():
+            readers.setdefault(key, []).append((module, name))
+    tied = [modules[0] for modules in readers.values() if len(modules) > 1]
+
+    def gather_tied(*_) -> None:
+        replicate.gathers.gathered = None
+        if torch.compiler.is_compiling():
+            replicate.gathers.gathered = {module._gather_keys[name]: getattr(module, name) for module, name in tied}
+
+    def forget_tied(*_) -> None:
+        replicate.gathers.gathered = None
+
+    if tied:
+        model.register_forward_pre_hook(gather_tied)
+        model.register_forward_hook(forget_tied, always_call=True)
+
+
+def reduce_pending(replicate: ReplicateComputation, module: nn.Module, name: str, pending: torch.Tensor) -> None:
+    """Add the reduction of ``module.<name>``'s pending gradient sum to the sharded parameter's ``.grad``."""
+    param = module._parameters[name]
+    reduced = replicate.reduce(param, pending, module._error_feedback[name])
+    param.grad = reduced if param.grad is None else param.grad + reduced
 
 
 @contextlib.contextmanager

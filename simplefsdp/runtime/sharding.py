@@ -73,9 +73,9 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
     Values come from the mesh's first rank. A tied parameter becomes one DTensor shared by the same modules. A
     tensor-parallel DTensor (``parallelize_module``) becomes a DTensor on the (dp, tp) mesh (``tensor_parallel.py``).
     """
-    sharded: dict[int, tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]] = {}
+    sharded: dict[int, tuple[int, nn.Parameter, torch.Tensor, torch.Tensor | None]] = {}
     for submodule in module.modules():
-        accumulators, errors = {}, {}
+        keys, accumulators, errors = {}, {}, {}
         for name, param in submodule._parameters.items():
             if param is None:
                 continue
@@ -85,7 +85,8 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
                            else distribute_tensor(param.detach(), mesh, PLACEMENTS[mode]))
                 new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
                 error = new_error_buffer(param, mesh, PLACEMENTS[mode], replicate.quantize)
-                sharded[id(param)] = (new_param, new_accumulator(computed, mesh.device_type), error)
-            submodule._parameters[name], accumulators[name], errors[name] = sharded[id(param)]
+                accumulator = new_accumulator(computed, mesh.device_type, replicate.reduce_dtype)
+                sharded[id(param)] = (len(sharded), new_param, accumulator, error)
+            keys[name], submodule._parameters[name], accumulators[name], errors[name] = sharded[id(param)]
         if accumulators:
-            install_getters(submodule, accumulators, errors, replicate)
+            install_getters(submodule, keys, accumulators, errors, replicate)
