@@ -24,7 +24,8 @@ def agreed_profile(device_type: str) -> HardwareProfile:
         except Exception as error:  # tell the other ranks, which wait in the broadcast below, then raise here
             failure, answer[0] = error, f"{type(error).__name__}: {error}"
     # The others wait here while rank 0 measures (~10 s on a CPU without a cached profile). If rank 0 dies instead,
-    # the default group's timeout bounds the wait (5 min when runtime/mesh.py: init_distributed started it).
+    # the default group's timeout bounds the wait (5 min when runtime/mesh.py: init_distributed started it). On NCCL
+    # the pickled profile travels through the current CUDA device, which init_distributed sets from LOCAL_RANK.
     dist.broadcast_object_list(answer, src=0)
     if failure is not None:
         raise failure
