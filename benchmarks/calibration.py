@@ -36,7 +36,8 @@ import simplefsdp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from ranks import run_on_ranks  # noqa: E402  (the tests' multi-rank harness)
 from simplefsdp.ir.capture import fx_backend
-from simplefsdp.ir.hardware import HardwareProfile, measure_cpu_profile_in_group
+from simplefsdp.ir.cpu_measure import measure_cpu_profile_in_group
+from simplefsdp.ir.hardware import HardwareProfile
 from simplefsdp.ir.render import format_bytes, format_seconds
 from simplefsdp.models.llama import build_model
 

@@ -9,9 +9,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.passes.bucket_plan import BucketMode, find_blocks
-from simplefsdp.ir.hardware import local_profile
 from simplefsdp.passes.install import OverlapPasses, check_no_custom_post_pass, inductor_options
 from simplefsdp.passes.options import check_pass_options
+from simplefsdp.runtime.agreed_profile import agreed_profile
 from simplefsdp.runtime.compile import check_compile_options, compile_in_place
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, default_mesh
@@ -88,8 +88,8 @@ def compile_sharded(
     if tp_mesh is not None and quantize is not None:
         raise ValueError("quantize does not support tensor-parallel (DTensor) parameters yet; pass quantize=None "
                          "with parallelize_module, or drop tensor parallelism to quantize")
-    if passes:  # "auto" buckets are priced on the hardware this rank computes on
-        overlap = OverlapPasses(buckets, reorder, prefetch, memory_budget, local_profile(mesh.device_type),
+    if passes:  # "auto" buckets are priced on the hardware rank 0 computes on, the same numbers on every rank
+        overlap = OverlapPasses(buckets, reorder, prefetch, memory_budget, agreed_profile(mesh.device_type),
                                 find_blocks(model) if blocks is None else blocks, data_parallel_groups(mesh))
         compile_options = inductor_options(overlap, compile_options)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from simplefsdp.ir.capture import capture_graphs
-from simplefsdp.ir.hardware import cpu_profile, gpu_profile, measuring_threads
+from simplefsdp.ir.cpu_measure import measuring_threads
+from simplefsdp.ir.hardware import cpu_profile, gpu_profile
 from simplefsdp.ir.schedule import read_schedule
 from simplefsdp.models.llama import build_model
 

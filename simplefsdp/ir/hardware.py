@@ -1,20 +1,20 @@
 """Hardware profiles: plain numbers the cost model prices a schedule with.
 
 ``h100`` and ``a100`` are datasheet figures at the efficiency NCCL and cuBLAS reach in practice; ``cpu`` is measured
-on this machine and cached under ``~/.cache/simplefsdp/``. Describe your own cluster as ``HardwareProfile(...)`` or
-as a JSON file with the same fields and pass its path.
+on this machine (``cpu_measure``) and cached under ``~/.cache/simplefsdp/`` (``SIMPLEFSDP_CACHE``). Describe your own
+cluster as ``HardwareProfile(...)`` or as a JSON file with the same fields and pass its path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
 import platform
-import statistics
+import subprocess
+import sys
 import tempfile
-import timeit
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +89,10 @@ H100_100G = dataclasses.replace(H100, name="h100-100g", inter_node_bandwidth=11e
 BUILT_IN = {"h100": H100, "a100": A100, "h100-100g": H100_100G}
 PROFILE_NAMES = (*BUILT_IN, "cpu")
 CACHE_DIR = Path(os.environ.get("SIMPLEFSDP_CACHE", Path.home() / ".cache" / "simplefsdp"))
+MEASURING_RANKS = 2
+# What a rank of the caller's own job (torchrun, train's ranks) set in the environment: not for our two ranks.
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                    "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def get_profile(hardware: str | HardwareProfile) -> HardwareProfile:
@@ -121,123 +125,63 @@ def load_profile(path: Path) -> HardwareProfile:
 
 
 def cpu_profile() -> HardwareProfile:
-    """The ``cpu`` profile of this machine, cached per host, core count and torch version; measuring takes ~10 s."""
+    """The ``cpu`` profile of this machine, cached per host, core count and torch version; a call that finds no cache
+    measures (~10 s, ``cpu_measure``), says so in one line on stderr, and writes the cache atomically."""
     key = f"{platform.node()}-{os.cpu_count()}cores-torch{torch.__version__}".replace(os.sep, "_")
     path = CACHE_DIR / f"cpu-{key}.json"
     try:
+        return load_profile(path)
+    except (OSError, TypeError, ValueError):  # none yet, or written by a version with other fields: measure again
+        pass
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_suffix(".lock"), "w")
-    except OSError:  # a read-only home: measure every time (set SIMPLEFSDP_CACHE to keep it)
-        return measure_cpu_profile()
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # every rank of a job may ask at once: one measures, the others wait
-        if path.is_file():
-            try:
-                return load_profile(path)
-            except (TypeError, ValueError):  # written by a version with other fields: measure again
-                pass
-        profile = measure_cpu_profile()
-        path.write_text(profile.to_json())
-        return profile
+        writable = os.access(path.parent, os.W_OK)
+    except OSError:
+        writable = False
+    said = (f"measuring this CPU once (~10 s), cached in {path}" if writable else
+            f"measuring this CPU (~10 s); {path.parent} is not writable: set SIMPLEFSDP_CACHE to keep the profile")
+    print(f"simplefsdp: {said}", file=sys.stderr, flush=True)
+    profile = measure_cpu_profile()
+    if writable:  # processes measuring at once each replace the file whole: a reader never sees half of one
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as file:
+            file.write(profile.to_json())
+        os.replace(file.name, path)
+    return profile
 
 
-def measure_cpu_profile() -> HardwareProfile:
-    """Measure this CPU as a 2-rank gloo job uses it: two local processes, each with half the cores."""
-    import torch.multiprocessing as mp
-
+def measure_cpu_profile(timeout: float = 300.0) -> HardwareProfile:
+    """Measure this CPU with two ranks, each a fresh interpreter running ``simplefsdp.ir.cpu_measure``; raise if
+    either fails or they run past ``timeout`` seconds (both are then killed)."""
+    package_root = str(Path(__file__).resolve().parents[2])  # the ranks import this copy of simplefsdp
+    env = {name: value for name, value in os.environ.items()
+           if name not in LAUNCH_VARIABLES and not name.startswith("TORCHELASTIC_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (package_root, env.get("PYTHONPATH"))))
     with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(_measuring_rank, args=(folder,), nprocs=2, start_method="spawn")
+        logs = [open(Path(folder, f"rank{rank}.log"), "w") for rank in range(MEASURING_RANKS)]
+        ranks = [subprocess.Popen([sys.executable, "-m", "simplefsdp.ir.cpu_measure", folder, str(rank)], env=env,
+                                  stdin=subprocess.DEVNULL, stdout=log, stderr=log) for rank, log in enumerate(logs)]
+        try:
+            codes = _wait_all(ranks, time.monotonic() + timeout)
+        finally:
+            for process in ranks:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            for log in logs:
+                log.close()
+        if codes != [0] * MEASURING_RANKS:
+            failed = next((rank for rank, code in enumerate(codes) if code), 0)
+            tail = Path(folder, f"rank{failed}.log").read_text()[-2000:]
+            raise RuntimeError(f"measuring the cpu hardware profile failed (exit codes {codes}, None: killed after "
+                               f"{timeout:.0f} s); rank {failed} said:\n{tail}\nPass buckets='block' to "
+                               "compile_sharded to plan without a profile")
         return load_profile(Path(folder, "profile.json"))
 
 
-def measure_cpu_profile_in_group() -> HardwareProfile:
-    """The ``cpu`` profile measured with this process's threads by this rank of a gloo group; every rank calls it."""
-    rates = {name: _matmul_rate(getattr(torch, name)) for name in ("float32", "bfloat16")}
-    bandwidth, dispatch = _copy_bandwidth(), _dispatch_overhead()
-    latency, gloo_bandwidth = _gloo_alpha_beta()
-    return HardwareProfile(
-        name="cpu", flops_per_s=rates, memory_bandwidth=bandwidth, intra_node_bandwidth=gloo_bandwidth,
-        inter_node_bandwidth=gloo_bandwidth, intra_node_latency=0.0, inter_node_latency=0.0,
-        collective_latency=latency, kernel_overhead=0.0, dispatch_overhead=dispatch,
-        devices_per_node=os.cpu_count() or 1, memory_capacity=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-    )
-
-
-def measuring_threads() -> int:
-    """Threads each of ``measure_cpu_profile``'s two ranks computes with: half the cores."""
-    return max(1, (os.cpu_count() or 1) // 2)
-
-
-def _measuring_rank(rank: int, folder: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 2), rank=rank, world_size=2)
-    torch.set_num_threads(measuring_threads())
-    profile = measure_cpu_profile_in_group()
-    if rank == 0:
-        Path(folder, "profile.json").write_text(profile.to_json())
-    dist.destroy_process_group()
-
-
-def _median_seconds(fn, repeats: int = 7) -> float:
-    fn()  # warm-up
-    return statistics.median(timeit.repeat(fn, number=1, repeat=repeats))
-
-
-def _matmul_rate(dtype: torch.dtype) -> float:
-    """Median FLOP/s of linear-layer matmuls (``x @ w.T``) of 256 to 1024 wide: what small models run."""
-    rates = []
-    for size in (256, 512, 1024):
-        x = torch.randn(512, size, dtype=dtype)
-        w = torch.randn(2 * size, size, dtype=dtype)
-        rates.append(2 * 512 * size * 2 * size / _median_seconds(lambda: torch.mm(x, w.t())))
-    return statistics.median(rates)
-
-
-def _copy_bandwidth() -> float:
-    source, target = torch.randn(1 << 23), torch.empty(1 << 23)
-    return 2 * source.nbytes / _median_seconds(lambda: target.copy_(source))
-
-
-def _dispatch_overhead() -> float:
-    """Seconds per node of running a graph of tiny ops the way ``simplefsdp.ir.capture`` runs graphs."""
-    from torch import fx
-
-    from simplefsdp.ir.capture import run_boxed
-
-    def tiny_ops(x: torch.Tensor) -> torch.Tensor:
-        for _ in range(100):
-            x = (x + 1).view(-1)
-        return x
-
-    gm = fx.symbolic_trace(tiny_ops)
-    run = run_boxed(gm)
-    nodes = sum(1 for node in gm.graph.nodes if node.op in ("call_function", "call_method"))
-    return _median_seconds(lambda: run([torch.ones(8)])) / nodes
-
-
-def _gloo_alpha_beta() -> tuple[float, float]:
-    """(latency s, bus bandwidth B/s) of all-gathers in the default group, fitted to a small and a large message.
-
-    Each all-gather follows a short matmul, as in a training step, so the latency includes the ranks drifting apart
-    between collectives; the matmul's own time is measured alone and subtracted.
-    """
-    import torch.distributed as dist
-
-    ranks, sizes = dist.get_world_size(), (1 << 12, 1 << 22)  # bytes per all-gather output
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    compute = _median_seconds(lambda: torch.mm(a, b), repeats=9)
-    times = []
-    for size in sizes:
-        shard = torch.ones(size // 4 // ranks, dtype=torch.float32)
-        output = torch.empty(size // 4, dtype=torch.float32)
-
-        def step() -> None:
-            torch.mm(a, b)
-            dist.all_gather_single(output, shard)
-
-        times.append(_median_seconds(step, repeats=15) - compute)
-    bus_fraction = (ranks - 1) / ranks  # a ring all-gather moves this share of the output through each rank
-    small, large = times
-    bandwidth = bus_fraction * (sizes[1] - sizes[0]) / max(large - small, 1e-9)
-    return max(small - bus_fraction * sizes[0] / bandwidth, 0.0), bandwidth
+def _wait_all(processes: list[subprocess.Popen], deadline: float) -> list[int | None]:
+    """Exit codes once all exited, or once one failed or ``deadline`` passed (then None for those still running)."""
+    while True:
+        codes = [process.poll() for process in processes]
+        if None not in codes or any(codes) or time.monotonic() > deadline:
+            return codes
+        time.sleep(0.05)
