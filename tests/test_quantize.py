@@ -4,6 +4,7 @@ exchange, error feedback, no-sync and checkpoints, and the quantized graphs on t
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections import Counter
 
 import pytest
@@ -254,3 +255,42 @@ def test_quantized_collectives_bucket_like_full_precision_ones_with_uint8_payloa
     # replicate: no all-gather in the forward, and the replicas' exchange alone in the backward
     assert _kinds(replicate[0]) == Counter()
     assert _kinds(replicate[1]) == Counter({"all_to_all": 3, "all_gather": 3})
+
+
+def _quantized_model_and_optimizer():
+    torch.manual_seed(0)
+    model = compile_sharded(nn.Linear(16, 33), quantize=QUANTIZE, backend="aot_eager")
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _save_after_one_step(root):
+    model, optimizer = _quantized_model_and_optimizer()
+    x, weight = _batch(1, dist.get_rank())
+    (model(x) * weight).sum().backward()
+    optimizer.step()
+    save_checkpoint(root, 1, model, optimizer)
+    return {name: param.full_tensor() for name, param in model.named_parameters()}
+
+
+def _resume_and_step(root):
+    model, optimizer = _quantized_model_and_optimizer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = load_checkpoint(f"{root}/step-00000001", model, optimizer)
+    loaded = {name: param.full_tensor() for name, param in model.named_parameters()}
+    zero = all(error.to_local().abs().sum() == 0 for error in error_feedback_state(model).values())
+    x, weight = _batch(2, dist.get_rank())
+    (model(x) * weight).sum().backward()
+    optimizer.step()
+    carried = all(error.to_local().abs().sum() > 0 for error in error_feedback_state(model).values())
+    return step, loaded, [str(w.message) for w in caught], zero, carried
+
+
+def test_quantized_run_saved_at_4_ranks_resumes_at_2_with_error_feedback_restarted(tmp_path):
+    """Error buffers are per-rank rows of the old world's exchange and mean nothing at another world size: they are
+    dropped with one warning (error feedback restarts from zero, which is sound); parameters reshard exactly."""
+    saved = run_on_ranks(4, _save_after_one_step, str(tmp_path))[0]
+    for step, loaded, messages, zero, carried in run_on_ranks(2, _resume_and_step, str(tmp_path)):
+        assert step == 1 and zero and carried
+        assert all(torch.equal(loaded[name], value) for name, value in saved.items())
+        assert sum("error feedback restarts from zero" in message for message in messages) == 1, messages

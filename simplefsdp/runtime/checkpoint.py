@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -77,7 +78,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     with stored_parameters(model):
         model_state = get_model_state_dict(model)
         check_compatible(path, model_state)
-        state = {"model": model_state, "step": -1, "errors": error_feedback_state(model)}
+        state = {"model": model_state, "step": -1, "errors": loadable_errors(path, error_feedback_state(model))}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
         dcp.load(state, checkpoint_id=path)
@@ -101,3 +102,18 @@ def check_compatible(path: Path, model_state: dict[str, torch.Tensor]) -> None:
     unexpected = sorted({key[len("model."):] for key in saved if key.startswith("model.")} - set(model_state))
     if unexpected:
         raise ValueError(f"checkpoint {path} has parameter {unexpected[0]!r} that the model lacks: different model")
+
+
+def loadable_errors(path: Path, errors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``errors`` if the checkpoint holds error feedback buffers of the same shapes, else none, with one warning: a
+    checkpoint of another world size (or without quantize) restarts error feedback from zero, which is sound."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, tensor in errors.items():
+        entry = saved.get(f"errors.{name}")
+        shape = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+        if shape != tuple(tensor.shape):
+            warnings.warn(f"checkpoint {path} holds error feedback buffers of another shape ({name}: {shape} there, "
+                          f"{tuple(tensor.shape)} here: saved at another world size, or without quantize): error "
+                          "feedback restarts from zero", stacklevel=3)
+            return {}
+    return errors
