@@ -107,7 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--steps", type=int, default=20, help="train until this step (counting resumed steps)")
     command.add_argument("--variable-seq-len", action="store_true",
                          help="each step draws its sequence length in [seq-len/2, seq-len] from --seed")
-    command.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step; gradients reduce once")
+    command.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    command.add_argument("--grad-accum-reduce", choices=("every", "last"), default=None,
+                         help="reduce gradients after every micro-batch (sharded gradients accumulate: ZeRO-3 memory) "
+                              "or only the last (full local gradients accumulate, one reduction); default: every for "
+                              "fully_shard, last for replicate and hybrid_shard")
     command.add_argument("--max-norm", type=float, default=None, help="clip the total gradient norm to this value")
     command.add_argument("--init-on-meta", action="store_true", help="build on meta, allocate and initialize shards only")
     command.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints (DCP) here")

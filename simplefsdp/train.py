@@ -182,6 +182,7 @@ def train(args: argparse.Namespace) -> None:
         say(f"resumed from {path} at step {start}")
 
     trained, step_times, losses, mfus = [], [], [], []
+    reduce_every = (args.grad_accum_reduce or ("every" if args.mode == "fully_shard" else "last")) == "every"
     if args.compile:
         say("compiling the forward and backward graphs in the first step ...", flush=True)
     begin = time.perf_counter()  # a step's time includes its quorum under --fault-tolerant
@@ -193,7 +194,7 @@ def train(args: argparse.Namespace) -> None:
         micro_batches = batch.to(device).chunk(args.grad_accum)
         loss_sum = torch.zeros((), device=device)
         for index, micro in enumerate(micro_batches):
-            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            model.set_requires_gradient_sync(reduce_every or index == len(micro_batches) - 1)
             loss = next_token_loss(model, micro) / args.grad_accum
             loss.backward()
             loss_sum += loss.detach()
