@@ -16,7 +16,7 @@ from simplefsdp.runtime.compile import check_compile_options, compile_in_place
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
-from simplefsdp.runtime.quantize import Quantize
+from simplefsdp.runtime.quantize import Quantize, check_read_once
 from simplefsdp.runtime.replicate_compute import ReplicateComputation, gather_tied_once_per_call, reduce_pending
 from simplefsdp.runtime.sharding import (broadcast_buffers, check_not_sharded, check_same_model_on_all_ranks,
                                          holds_values, shard_parameters)
@@ -82,6 +82,8 @@ def compile_sharded(
     if passes:
         check_no_custom_post_pass(compile_options)
     check_not_sharded(model)
+    if quantize is not None and quantize.reduce and quantize.error_feedback:
+        check_read_once(model, compile)
     mesh = mesh if mesh is not None else default_mesh(mode)
     check_mesh(mesh, mode)
     tp_mesh = tensor_parallel_mesh(model, mesh, mode)

@@ -89,6 +89,16 @@ def _sharding() -> argparse.ArgumentParser:
     return parser
 
 
+def _accumulation() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--grad-accum-reduce", choices=("every", "last"), default=None,
+                        help="simplefsdp reduces gradients after every micro-batch (sharded gradients accumulate: "
+                             "ZeRO-3 memory) or only the last (full local gradients accumulate, one reduction); "
+                             "default: every for fully_shard, last for replicate and hybrid_shard")
+    return parser
+
+
 def _local_ranks() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--nproc", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
@@ -103,15 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     command = commands.add_parser("train", help="train a reference model on local ranks", parents=[
-        _workload("cpu-small", 4, 128, (None, None)), _sharding(), _local_ranks()])
+        _workload("cpu-small", 4, 128, (None, None)), _sharding(), _accumulation(), _local_ranks()])
     command.add_argument("--steps", type=int, default=20, help="train until this step (counting resumed steps)")
     command.add_argument("--variable-seq-len", action="store_true",
                          help="each step draws its sequence length in [seq-len/2, seq-len] from --seed")
-    command.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
-    command.add_argument("--grad-accum-reduce", choices=("every", "last"), default=None,
-                         help="reduce gradients after every micro-batch (sharded gradients accumulate: ZeRO-3 memory) "
-                              "or only the last (full local gradients accumulate, one reduction); default: every for "
-                              "fully_shard, last for replicate and hybrid_shard")
     command.add_argument("--max-norm", type=float, default=None, help="clip the total gradient norm to this value")
     command.add_argument("--init-on-meta", action="store_true", help="build on meta, allocate and initialize shards only")
     command.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints (DCP) here")
@@ -146,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     command.set_defaults(run=inspection.run)
 
     command = commands.add_parser("bench", help="compare simplefsdp with FSDP2, DDP and a local baseline, side by side",
-                                  parents=[_workload("cpu-small", 4, 128, (None, None)), _local_ranks()])
+                                  parents=[_workload("cpu-small", 4, 128, (None, None)), _accumulation(), _local_ranks()])
     command.add_argument("--steps", type=int, default=20, help="measured steps per contender")
     command.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation happens here)")
     command.add_argument("--only", type=contenders_arg, default=None, help=f"NAME[,NAME] of: {', '.join(CONTENDER_NAMES)}")

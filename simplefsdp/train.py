@@ -28,6 +28,7 @@ from simplefsdp.runtime.checkpoint import latest_checkpoint, load_checkpoint, sa
 from simplefsdp.runtime.clip_grad import clip_grad_norm_
 from simplefsdp.runtime.compile import compiled_graphs, graph_cache_hits
 from simplefsdp.runtime.fault_tolerance import INSTALL, ReplicaGroup
+from simplefsdp.runtime.grad_sync import reduces_every_micro_batch
 from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks, launch_replica_groups
 from simplefsdp.runtime.mesh import check_tensor_parallel_world, device_type, init_distributed
 from simplefsdp.runtime.meta_init import materialize_sharded
@@ -182,7 +183,7 @@ def train(args: argparse.Namespace) -> None:
         say(f"resumed from {path} at step {start}")
 
     trained, step_times, losses, mfus = [], [], [], []
-    reduce_every = (args.grad_accum_reduce or ("every" if args.mode == "fully_shard" else "last")) == "every"
+    reduce_every = reduces_every_micro_batch(args.grad_accum_reduce, args.mode)
     if args.compile:
         say("compiling the forward and backward graphs in the first step ...", flush=True)
     begin = time.perf_counter()  # a step's time includes its quorum under --fault-tolerant

@@ -109,3 +109,13 @@ def test_a_root_torch_nn_module_is_compiled_into_one_graph(fake_world):
     model = compile_sharded(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), backend="aot_eager")
     model(torch.randn(2, 8)).sum().backward()
     assert counters["stats"]["unique_graphs"] == 1 and counters["stats"]["calls_captured"] > 4, dict(counters["stats"])
+
+
+def test_every_model_compiles_past_dynamos_per_code_limit(fake_world):
+    """Dynamo counts recompiles per code object (limit 8); each sharded model's compiled call has a code of its own,
+    so a ninth model in one process compiles too instead of running eagerly."""
+    before = counters["stats"]["unique_graphs"]
+    for _ in range(10):
+        model = compile_sharded(TwoLinears(), backend="eager")
+        model(torch.randn(2, 8))
+    assert counters["stats"]["unique_graphs"] - before == 10

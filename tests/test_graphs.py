@@ -45,3 +45,16 @@ def test_backward_regathers_only_when_resharding(fake_world, reshard_after_forwa
     # Every parameter is gathered again for backward except the embedding table:
     # the embedding's backward reads only the token ids, never the weight.
     assert count(backward, ALL_GATHER) == (num_params - 1 if reshard_after_forward else 0)
+
+
+def test_accumulating_without_sync_still_reshards_after_forward(fake_world):
+    """With gradient sync off the backward re-gathers as with sync on (ZeRO-3 memory: the only extra memory is the
+    accumulated gradients) and reduces nothing."""
+    torch.manual_seed(0)
+    model = compile_sharded(build_model("debug"), compile=False)
+    model.set_requires_gradient_sync(False)
+    num_params = len(list(model.parameters()))
+    forward, backward = forward_backward_graphs(model, torch.randint(0, 256, (2, 16)))
+    assert count(forward, ALL_GATHER) == num_params
+    assert count(backward, ALL_GATHER) == num_params - 1  # all but the embedding table, as with sync on
+    assert count(backward, REDUCE_SCATTER) == 0

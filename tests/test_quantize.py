@@ -59,8 +59,12 @@ def test_bad_options_are_refused_before_anything_compiles():
     with pytest.raises(TypeError, match="simplefsdp.Quantize"):
         compile_sharded(nn.Linear(2, 2), quantize="int8")
     shared = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="tied parameters"):  # a compiled backward would add their error twice
+    with pytest.raises(ValueError, match="placed twice"):  # each call's backward would add its error
         compile_sharded(nn.Sequential(shared, shared), quantize=QUANTIZE)
+    tied = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(ValueError, match="pass compile=True"):
+        compile_sharded(tied, quantize=QUANTIZE, compile=False)
 
 
 def _hand_exchange(sent, error):

@@ -108,9 +108,6 @@ def _case(model_class, activation_checkpointing: bool, options: dict) -> dict:
 
 
 def _all_cases() -> dict:
-    # Every case compiles the same code (3 graphs each: sync on, off, pending); Dynamo's per-code limit (8) would
-    # run later cases eagerly.
-    torch._dynamo.config.recompile_limit = 64
     return {name: _case(*case) for name, case in CASES.items()}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import os
@@ -17,6 +18,7 @@ from simplefsdp.bench.contenders import CONTENDERS, Contender
 from simplefsdp.bench.profiling import WINDOW, read_profile
 from simplefsdp.data import load_tokens, rank_batch
 from simplefsdp.models.llama import build_model
+from simplefsdp.runtime.grad_sync import reduces_every_micro_batch
 from simplefsdp.runtime.mesh import device_type, init_distributed
 from simplefsdp.train import next_token_loss
 
@@ -45,21 +47,40 @@ def build(contender: Contender, args: argparse.Namespace) -> tuple[nn.Module, to
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)  # as train (torchtitan's default)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
-    """Forward, backward and optimizer step on ``batch``; the loss, after the device finished the step."""
-    loss = next_token_loss(model, batch)
-    loss.backward()
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, micro_batches: int = 1,
+               reduce_every: bool = False) -> float:
+    """Forward and backward on each of ``micro_batches`` slices of ``batch``, gradients reduced after the last only
+    (FSDP2's ``set_requires_gradient_sync``, ours, DDP's ``no_sync``) or, with ``reduce_every``, after each; then
+    the optimizer step. The loss, after the device finished the step."""
+    chunks, loss = batch.chunk(micro_batches), 0.0
+    for index, micro_batch in enumerate(chunks):
+        sync = reduce_every or index == len(chunks) - 1
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(sync)
+        with contextlib.nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync():
+            micro_loss = next_token_loss(model, micro_batch) / len(chunks)
+            micro_loss.backward()
+        loss = loss + micro_loss.detach()
     optimizer.step()
     optimizer.zero_grad()
     if device_type() == "cuda":
         torch.cuda.synchronize()
-    return loss.item()
+    return float(loss)
+
+
+def accumulation(contender: Contender, args: argparse.Namespace) -> tuple[int, bool]:
+    """``(micro_batches, reduce_every)`` of ``contender``: ``--grad-accum-reduce`` applies to simplefsdp's rows; the
+    others reduce after the last micro-batch only, as their own no-sync controls are meant to be used."""
+    simplefsdp = contender.name.startswith("simplefsdp")
+    mode = "replicate" if contender.name == "simplefsdp-replicate" else "fully_shard"
+    return args.grad_accum, simplefsdp and reduces_every_micro_batch(args.grad_accum_reduce, mode)
 
 
 def step_batch(args: argparse.Namespace, tokens: torch.Tensor, step: int) -> torch.Tensor:
     """This rank's batch of ``step``: the same for every contender."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    return rank_batch(tokens, step, args.batch_size, args.seq_len, args.seed, rank, world).to(device_type())
+    return rank_batch(tokens, step, args.batch_size * args.grad_accum, args.seq_len, args.seed, rank, world
+                      ).to(device_type())
 
 
 def gather(values: list[float]) -> torch.Tensor:
@@ -82,7 +103,7 @@ class TimedRun:
         batch = step_batch(self.args, self.tokens, step)
         dist.barrier()
         start = time.perf_counter()
-        self.losses.append(train_step(self.model, self.optimizer, batch))
+        self.losses.append(train_step(self.model, self.optimizer, batch, *accumulation(self.contender, self.args)))
         self.times.append(time.perf_counter() - start)
 
     def warm_up(self) -> None:
@@ -107,7 +128,7 @@ class TimedRun:
             "warmup_s": sum(step_times[:self.args.warmup]),
             "step_times_s": measured,
             "step_time_s": {"median": median, "q1": q1, "q3": q3, "min": min(measured), "max": max(measured)},
-            "tokens_per_s_per_rank": self.args.batch_size * self.args.seq_len / median,
+            "tokens_per_s_per_rank": self.args.batch_size * self.args.grad_accum * self.args.seq_len / median,
             "losses": rank_losses.mean(dim=0).tolist(),
             "last_loss": rank_losses[:, -1].mean().item(),
             "last_loss_per_rank": rank_losses[:, -1].tolist(),
@@ -129,7 +150,7 @@ def profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.T
                 torch.cuda.reset_peak_memory_stats()
             gc.collect()
             with record_function(WINDOW if step == 2 else "warm-up"):
-                train_step(model, optimizer, batch)
+                train_step(model, optimizer, batch, *accumulation(contender, args))
         cuda_peak = torch.cuda.max_memory_allocated() - before if device_type() == "cuda" else None
         del model, optimizer
     counts = read_profile(prof, dist.get_backend(), dist.get_world_size())
@@ -195,7 +216,8 @@ def measure(args: argparse.Namespace) -> dict | None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
         "device": device_type(), "cpu_cores": os.cpu_count(), "load_average": os.getloadavg(),
         "process_group_backend": "nccl" if device_type() == "cuda" else "gloo", "world_size": world,
-        **{option: getattr(args, option) for option in ("model", "steps", "warmup", "batch_size", "seq_len", "seed")},
+        **{option: getattr(args, option) for option in ("model", "steps", "warmup", "batch_size", "seq_len", "seed",
+                                                          "grad_accum", "grad_accum_reduce")},
         "parameters": sum(p.numel() for p in build_model(args.model, n_layers=args.layers).parameters()),
         **{name: str(dtype).removeprefix("torch.") if dtype else None
            for name, dtype in (("param_dtype", args.param_dtype), ("reduce_dtype", args.reduce_dtype))},

@@ -66,8 +66,11 @@ def _wire(row: dict, ref: dict | None) -> str:
 
 
 def _workload(results: dict) -> str:
+    micro = results.get("grad_accum", 1)
+    accumulation = (f"{micro} micro-batches of " if micro > 1 else "")
+    reduce = (f" (simplefsdp reduces after {results.get('grad_accum_reduce') or 'its default'})" if micro > 1 else "")
     return (f"{results['model']} on {results['world_size']} {results['process_group_backend']} rank(s), "
-            f"{results['batch_size']}x{results['seq_len']} tokens per rank per step")
+            f"{accumulation}{results['batch_size']}x{results['seq_len']} tokens per rank per step{reduce}")
 
 
 def format_table(results: dict) -> str:

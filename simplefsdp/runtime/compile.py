@@ -34,6 +34,10 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
     def sharded_call(*args, **kwargs):
         return module._call_impl(*args, **kwargs)
 
+    # Dynamo keeps graphs, and counts recompiles against its limit (8), per code object: a copy of the code per model
+    # keeps one model's graphs (sync on and off, new shapes) from running another model eagerly past the limit.
+    sharded_call.__code__ = sharded_call.__code__.replace()
+
     compiled = torch.compile(sharded_call, backend=backend, **options)
     module._compiled_call_impl = _warn_on_graph_breaks(compiled, type(module).__name__)
 

@@ -74,6 +74,13 @@ def _reduce(sync: GradientSync, reduce: Reduce, module: nn.Module, name: str, ac
         reduce(module, name, pending)
 
 
+def reduces_every_micro_batch(choice: str | None, mode: str) -> bool:
+    """Whether accumulation reduces after every micro-batch: ``choice`` (``"every"`` or ``"last"``, the command line's
+    ``--grad-accum-reduce``), by default ``every`` for ``fully_shard`` (sharded gradients: ZeRO-3 memory), else
+    ``last`` (replicas hold full gradients anyway, and their all-reduce crosses the slow link)."""
+    return (choice or ("every" if mode == "fully_shard" else "last")) == "every"
+
+
 class GradientSyncMethods:
     """FSDP2's gradient-sync controls, mixed into the class of the model ``compile_sharded`` returns."""
     _gradient_sync: GradientSync

@@ -63,6 +63,20 @@ def quantize_option(args: argparse.Namespace) -> Quantize | None:
     return Quantize(args.quantize_gather, args.quantize_reduce, args.quantize_block_size, args.error_feedback)
 
 
+def check_read_once(model: nn.Module, compile: bool) -> None:
+    """Raise ``ValueError`` where a parameter would be exchanged twice a step, so its error feedback counted twice:
+    a module placed twice in the model, or tied parameters without compiling (eager gathers at every read)."""
+    if len(list(model.named_modules(remove_duplicate=False))) > len(list(model.modules())):
+        raise ValueError("a module of the model is placed twice in it, so its parameters would be exchanged twice "
+                         "a step and their error feedback counted twice; pass Quantize(..., error_feedback=False)")
+    tied = len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
+    if tied and not compile:
+        raise ValueError("without compiling, tied parameters are gathered at every read and their error feedback "
+                         "would count twice; pass compile=True (a compiled call gathers them once) or "
+                         "Quantize(..., error_feedback=False)")
+
+
+
 def quantize_pack(rows: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
     """Rows ``(R, N)`` of floats, ``N`` a multiple of ``block_size`` → packed ``uint8`` rows ``(R, packed_bytes)``."""
     blocks = rows.float().reshape(rows.shape[0], -1, block_size)
