@@ -59,7 +59,7 @@ class ReplicateComputation:
         shard then all-reduced over the replicas, so the replicas exchange shards, not whole gradients.
         """
         ndim = param.device_mesh.ndim
-        if self.quantize is not None and param.is_floating_point():
+        if self.quantize is not None and param.is_floating_point() and param.dim():  # a 0-dim one: plain
             return quantized_replicate(param, error, self.quantize, self.param_dtype, self.reduce_dtype)
         grad_placements = [Partial("avg")] * ndim
         if self.tensor_parallel is not None and ndim == 2:  # (dp, tp): gather over dp, keep TP's shard
