@@ -75,13 +75,15 @@ def _assert_close(name: str, losses: list[float], ref_losses: list[float], initi
                   rank_params: list[dict]) -> None:
     for step, (loss, ref) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(loss - ref) <= ZOO_BOUND * abs(ref), f"{name} step {step}: loss {loss} vs reference {ref}"
+    trained = [key for key in ref_params if initial[key].requires_grad]
+    start = torch.cat([initial[key].detach().flatten() for key in trained])
+    ref_update = torch.cat([(ref_params[key] - initial[key]).flatten() for key in trained])
     for params in rank_params:
         assert params.keys() == ref_params.keys(), name
-        for key, ref in ref_params.items():
-            start = initial[key].detach()
-            update, ref_update = params[key] - start, ref - start
-            if not initial[key].requires_grad:
-                assert torch.equal(update, ref_update), f"{name}: frozen {key} changed"
-                continue
-            difference, bound = relative_difference(update, ref_update), zoo_update_bound(start, ref_update, STEPS)
-            assert difference <= bound, f"{name} {key}: update differs by {difference:.2e} (bound {bound:.2e})"
+        for key in ref_params.keys() - trained:
+            assert torch.equal(params[key], ref_params[key]), f"{name}: frozen {key} changed"
+        # norm-wise over the model: a parameter whose gradient is zero in exact arithmetic (a key bias under softmax)
+        # has an update of rounding noise alone, which no relative bound of its own covers
+        update = torch.cat([(params[key] - initial[key]).flatten() for key in trained])
+        difference, bound = relative_difference(update, ref_update), zoo_update_bound(start, ref_update, STEPS)
+        assert difference <= bound, f"{name}: update differs by {difference:.2e} (bound {bound:.2e})"

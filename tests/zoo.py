@@ -55,8 +55,7 @@ def logits(output) -> torch.Tensor:
 
 
 def _cross_entropy(output, target: torch.Tensor) -> torch.Tensor:
-    logits = logits(output)
-    return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+    return F.cross_entropy(logits(output).flatten(0, -2).float(), target.flatten())
 
 
 def _vit() -> nn.Module:
