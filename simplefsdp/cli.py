@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     command = commands.add_parser("inspect", help="trace a reference model at any world size and predict its step",
                                   parents=[_workload("llama3-8b", 1, None, (torch.bfloat16, torch.float32)), _sharding()])
     command.add_argument("--world-size", type=int, default=8, help="ranks to shard over (traced in this process)")
+    command.add_argument("--rank", type=int, default=0, help="the rank of the world whose graphs are traced")
     command.add_argument("--dynamic", action="store_true", help="trace batch and sequence sizes as symbols")
     command.add_argument("--hardware", default="h100", help=f"{', '.join(PROFILE_NAMES)}, or a profile JSON path")
     command.add_argument("--replica-groups", type=int, default=1,

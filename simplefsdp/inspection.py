@@ -171,6 +171,7 @@ def inspect(
     example_inputs: tuple,
     *,
     world_size: int | None = None,
+    rank: int = 0,
     mode: str = "fully_shard",
     hardware: str | HardwareProfile = "h100",
     mp_policy: MixedPrecision | None = None,
@@ -190,6 +191,7 @@ def inspect(
     tp_plan: dict[str, ParallelStyle] | None = None,
 ) -> InspectReport:
     """Trace ``model`` as ``compile_sharded`` shards it on ``world_size`` ranks (default 1), run our passes, predict.
+    ``rank``: the rank whose graphs are traced (its shards and coordinate; the plans must not depend on it).
 
     Copies with no data on a fake process group; ``model`` is not changed. ``device``: ``"meta"`` (any torch;
     attention traced as the flash kernel a GPU runs) or ``"cuda"`` (fake CUDA tensors: the ops, casts and attention
@@ -225,7 +227,7 @@ def inspect(
     apply_activation_checkpointing(getattr(copy_model, "layers", []), activation_checkpointing)
     if loss_fn is not None:  # the copy's forward, as checkpointing wraps a block's: module names do not change
         copy_model.forward = functools.partial(_forward_and_loss, copy_model.forward, loss_fn)
-    with fake_world(world_size):
+    with fake_world(world_size, rank):
         mesh_device = "cuda" if device == "cuda" else "cpu"
         if tp > 1:
             mesh_2d = init_device_mesh(mesh_device, mesh_shape, mesh_dim_names=("dp", "tp"))
@@ -249,7 +251,8 @@ def inspect(
                      simulate(forward.schedule, backward.schedule, profile, compute_dtype))
         for forward, backward in zip(forward_stages, backward_stages)
     ]
-    title = title or f"{type(model).__name__}, {mode}, world {world_size} (mesh {mesh_shape}), hardware {profile.name}"
+    title = title or (f"{type(model).__name__}, {mode}, world {world_size} (mesh {mesh_shape}"
+                      f"{f', rank {rank}' if rank else ''}), hardware {profile.name}")
     fault_tolerant = None
     if replica_groups > 1:
         seconds = collective_seconds("all_reduce", grad_bytes, tuple(range(0, replica_groups * world_size, world_size)),
@@ -353,11 +356,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         device = check_device(get_profile(args.hardware), args.device)
         name = f"{args.model} (layers={args.layers})" if args.layers else args.model
         layout, per = (f"tp {args.tp}, ", "tp group") if args.tp > 1 else ("", "rank")
-        title = (f"{name}, {args.mode}, world {args.world_size}, {layout}hardware {args.hardware}, "
+        title = (f"{name}, {args.mode}, world {args.world_size}{f' (rank {args.rank})' if args.rank else ''}, "
+                 f"{layout}hardware {args.hardware}, "
                  f"{args.batch_size}x{seq_len} tokens per {per}, params {str(args.param_dtype).removeprefix('torch.')},"
                  f" activation checkpointing {args.activation_checkpointing}, traced on {device}")
         report = inspect(
-            model, (tokens,), world_size=args.world_size, mode=args.mode, hardware=args.hardware,
+            model, (tokens,), world_size=args.world_size, rank=args.rank, mode=args.mode, hardware=args.hardware,
             mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
             reshard_after_forward=args.reshard_after_forward, buckets=args.buckets, reorder=args.reorder,
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,

@@ -3,7 +3,8 @@
 1. Cut the collectives into units. All-gathers: one per child module of a repeated block (``layers.3.attention``) and
    per top-level module outside the blocks (``tok_embeddings``). Other kinds (reduce-scatters, all-to-alls,
    all-reduces): one per block plus head and tail (the ``"block"`` plan's units). Each unit has its full buffer bytes
-   and the roofline compute time of its modules' nodes.
+   (``planned_bytes``) and the roofline compute time of its modules' nodes, leaving out the nodes that depend on this
+   rank's local shards (``rank_local_nodes``: pads, narrows and casts of the shard), so every rank plans the same.
 2. Walk the units of each (kind, process group, dtype) in program order and grow the current bucket by the next unit
    while (a) the merged bucket's alpha-beta communication time still fits under the compute it overlaps: for an
    all-gather the previous bucket's (it is prefetched behind it), for the other kinds the next unit's
@@ -27,7 +28,7 @@ from simplefsdp.ir.cost_model import collective_seconds, node_time
 from simplefsdp.ir.hardware import HardwareProfile
 from simplefsdp.ir.schedule import COMPUTE, Schedule, ScheduleNode
 from simplefsdp.passes.bucket_plan import (ALL_REDUCE_BUCKET_BYTES, BUCKETED_KINDS, Bucket, BucketPlan, block_names,
-                                           block_of, bucketable, group_collectives)
+                                           block_of, bucketable, group_collectives, planned_bytes, rank_local_nodes)
 
 
 @dataclass
@@ -44,7 +45,8 @@ def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budg
     are gathered in) sets the matmul rate."""
     gathered = [node.collective.dtype for node in bucketable(schedule, ("all_gather",))]
     compute_dtype = compute_dtype or (gathered[0] if gathered else None)
-    computes = [node for node in schedule.nodes if node.kind == COMPUTE]
+    local = rank_local_nodes(schedule)
+    computes = [node for node in schedule.nodes if node.kind == COMPUTE and node.name not in local]
     by_block = group_collectives(schedule, block_names(schedule, bucketable(schedule, BUCKETED_KINDS), blocks))
     streams = _streams(schedule, by_block, block_names(schedule, computes, blocks), hardware, compute_dtype)
     modules = _streams(schedule, group_collectives(schedule, module_names(bucketable(schedule), blocks)),
@@ -83,7 +85,7 @@ def _streams(schedule: Schedule, plan: BucketPlan, compute_names: dict[str, str]
     streams: dict[tuple, list[_Unit]] = {}
     for bucket in plan.buckets:
         first = schedule.node(bucket.collectives[0]).collective
-        size = sum(schedule.node(name).collective.bytes for name in bucket.collectives)
+        size = sum(planned_bytes(schedule, schedule.node(name)) for name in bucket.collectives)
         unit = _Unit(bucket, size, compute.get(bucket.name, 0.0))
         streams.setdefault((bucket.kind, first.group_name, first.dtype), []).append(unit)
     return streams

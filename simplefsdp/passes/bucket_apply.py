@@ -1,15 +1,19 @@
 """Bucket apply: rewrite an FX graph so each planned bucket becomes one collective on a flat buffer.
 
-An all-gather bucket gathers where its first all-gather was, a reduce-scatter, all-reduce or all-to-all bucket
+An all-gather bucket gathers where its first all-gather was (what the later ones read, the casts and pads of their
+shards, moves before it: a rank with an uneven shard has its pad where the graph first needs it, so without the move
+the ranks would issue the merged all-gather at different points), a reduce-scatter, all-reduce or all-to-all bucket
 reduces after its last one (when all its gradients exist). Every element is reduced with the same peers in the same
 order: numerics are bitwise unchanged.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from simplefsdp.passes.bucket_plan import BucketPlan
+from simplefsdp.passes.reorder import needed_after
 from simplefsdp.passes.inductor_internals import (merge_all_gathers, merge_all_reduces, merge_all_to_alls,
                                                    merge_reduce_scatters, topological_sort)
 
@@ -20,5 +24,23 @@ def apply_buckets(graph: fx.Graph, plan: BucketPlan) -> None:
     merge = {"all_gather": merge_all_gathers, "reduce_scatter": merge_reduce_scatters,
              "all_reduce": merge_all_reduces, "all_to_all": merge_all_to_alls}
     for bucket in (bucket for bucket in plan.buckets if len(bucket.collectives) > 1):
-        merge[bucket.kind](graph, [by_name[name] for name in bucket.collectives])
+        collectives = [by_name[name] for name in bucket.collectives]
+        for collective in collectives:
+            _one_wait(graph, collective)
+        if bucket.kind == "all_gather":
+            for later in collectives[1:]:
+                for node in needed_after(graph, later, collectives[0].prev)[:-1]:
+                    collectives[0].prepend(node)
+        merge[bucket.kind](graph, collectives)
     topological_sort(graph)
+
+
+def _one_wait(graph: fx.Graph, collective: fx.Node) -> None:
+    """Make the first wait of ``collective`` serve every user of its other waits (a parameter read twice in one module
+    can leave two), as merging expects one wait per collective."""
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    waits = sorted((user for user in collective.users if user.target is torch.ops._c10d_functional.wait_tensor.default),
+                   key=order.__getitem__)
+    for extra in waits[1:]:
+        extra.replace_all_uses_with(waits[0])
+        graph.erase_node(extra)

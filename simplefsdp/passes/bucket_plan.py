@@ -7,6 +7,10 @@ manual plan, lists of module FQN prefixes, bucket ``i`` taking every collective 
 unbucketed; ``"auto"``, see ``simplefsdp.passes.auto_buckets``. With ``"block"``, all-reduces (``replicate``,
 ``hybrid_shard``'s replicas) are bucketed by bytes as DDP does: in backward order, up to half the memory budget
 (two buckets in flight, ``reorder``), by default 25 MiB (the first: 1 MiB).
+
+Every plan is a pure function of rank-invariant facts, so every rank of a group issues the same collectives: sizes
+are read by ``planned_bytes`` (the padded shard, never this rank's local one) and ``rank_local_nodes`` names the
+compute nodes that only exist or only have their sizes because of this rank's local shards, which no planner prices.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Sequence, Union
 
 from torch import nn
 
-from simplefsdp.ir.schedule import Schedule, ScheduleNode
+from simplefsdp.ir.schedule import COLLECTIVE, Schedule, ScheduleNode
 
 BUCKETED_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 BucketMode = Union[None, str, Sequence[Sequence[str]]]
@@ -88,9 +92,9 @@ def all_reduce_names(schedule: Schedule, memory_budget: int | None) -> dict[str,
     cap, first_cap = (memory_budget // 2,) * 2 if memory_budget else ALL_REDUCE_BUCKET_BYTES
     names, index, size = {}, 0, 0
     for node in bucketable(schedule, ("all_reduce",)):
-        if size and size + node.collective.bytes > (cap if index else first_cap):
+        if size and size + planned_bytes(schedule, node) > (cap if index else first_cap):
             index, size = index + 1, 0
-        size += node.collective.bytes
+        size += planned_bytes(schedule, node)
         names[node.name] = f"all_reduce.{index}"
     return names
 
@@ -132,3 +136,35 @@ def _manual_names(schedule: Schedule, plan: Sequence[Sequence[str]]) -> dict[str
 def covers(prefix: str, fqn: str) -> bool:
     """Whether module ``fqn`` is ``prefix`` or lies under it (``""`` covers everything)."""
     return prefix == "" or fqn == prefix or fqn.startswith(prefix + ".")
+
+
+def planned_bytes(schedule: Schedule, node: ScheduleNode) -> int:
+    """The bytes a plan counts for collective ``node``: its full buffer, the same on every rank of its group, except
+    for an all-reduce of a view of an earlier collective's output (``hybrid_shard``'s all-reduce of the shard a
+    reduce-scatter left, narrowed to this rank's uneven shard): that output's bytes, the padded shard."""
+    base = schedule.node(node.inputs[0]) if node.collective.kind == "all_reduce" and node.inputs else None
+    while base is not None and base.alias_of is not None:
+        base = schedule.node(base.alias_of)
+    if base is not None and base.kind == COLLECTIVE:
+        return max(node.collective.bytes, base.bytes_written)
+    return node.collective.bytes
+
+
+def rank_local_nodes(schedule: Schedule) -> set[str]:
+    """Nodes that exist, or have their sizes, only because of this rank's local shards: everything a parameter's
+    all-gather (one that follows no data-parallel collective) reads, i.e. the casts, pads and quantization of the
+    shard, and everything after a gradient collective (reduce-scatter, all-to-all, all-reduce), i.e. narrowing to
+    the shard, casts, error feedback. No planner prices these; every rank still has the same other nodes."""
+    collectives = {node.name: node.collective.kind for node in schedule.data_parallel_collectives()}
+    after_any, after_gradient = set(), set()
+    for node in schedule.nodes:
+        if node.name in collectives or after_any.intersection(node.inputs):
+            after_any.add(node.name)
+        if collectives.get(node.name, "all_gather") != "all_gather" or after_gradient.intersection(node.inputs):
+            after_gradient.add(node.name)
+    before_gather = set()
+    for node in reversed(schedule.nodes):
+        parameter_gather = collectives.get(node.name) == "all_gather" and not after_any.intersection(node.inputs)
+        if parameter_gather or node.name in before_gather:
+            before_gather.update(node.inputs)
+    return (before_gather | after_gradient) - collectives.keys()

@@ -119,14 +119,14 @@ def apply_reorder(graph: fx.Graph, plan: ReorderPlan) -> None:
     for prefetch in plan.prefetches:
         collective = by_name[prefetch.collective]
         after = by_name[prefetch.after] if prefetch.after else list(graph.find_nodes(op="placeholder"))[-1]
-        for node in _needed_after(graph, collective, after):
+        for node in needed_after(graph, collective, after):
             after.append(node)
             after = node
         pins.setdefault(by_name[prefetch.anchor], []).append(collective)
     pin_order(graph, pins)
 
 
-def _needed_after(graph: fx.Graph, collective: fx.Node, after: fx.Node) -> list[fx.Node]:
+def needed_after(graph: fx.Graph, collective: fx.Node, after: fx.Node) -> list[fx.Node]:
     """``collective`` and those of its inputs (transitively) that now sit after ``after``, program order."""
     order = {node: index for index, node in enumerate(graph.nodes)}
     needed, stack = {collective}, [collective]

@@ -9,14 +9,16 @@ import torch.distributed as dist
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """Run the body as rank 0 of a fake default process group of ``world_size`` ranks; collectives move no data."""
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Run the body as ``rank`` of a fake default process group of ``world_size`` ranks; collectives move no data."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the only way to start "fake"
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already running in this process; inspect with world_size traces on "
                            "its own fake group, so call it before init_process_group (or from `simplefsdp inspect`)")
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}) for a world of {world_size}, got {rank!r}")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         yield
     finally:

@@ -124,7 +124,7 @@ def new_error_buffer(param: torch.Tensor, mesh: DeviceMesh, placements: Sequence
     replicas, shards = replicas_and_shards(mesh, placements)
     rows = shards * (shards > 1) + (replicas > 1)
     if quantize is None or quantize.reduce is None or not quantize.error_feedback or not param.is_floating_point() \
-            or not rows:
+            or not rows or not param.dim():
         return None
     device = "meta" if param.is_meta else mesh.device_type  # allocated by materialize_error_buffers
     return torch.zeros(rows, padded_rows(param.shape, shards, quantize.block_size, replicas)[1], device=device)

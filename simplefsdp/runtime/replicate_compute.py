@@ -68,7 +68,7 @@ class ReplicateComputation:
         shard then all-reduced over the replicas, so the replicas exchange shards, not whole gradients.
         """
         ndim = param.device_mesh.ndim
-        if self.quantize is not None and param.is_floating_point():
+        if self.quantize is not None and param.is_floating_point() and param.dim():  # a 0-dim one: plain
             return quantized_replicate(param, error, self.quantize, self.param_dtype, self.reduce_dtype)
         grad_placements = [Partial("avg")] * ndim
         if self.tensor_parallel is not None and ndim == 2:  # (dp, tp): gather over dp, keep TP's shard
@@ -100,7 +100,7 @@ class ReplicateComputation:
         """What ``gather``'s backward gives ``param`` for the full local gradient ``grad`` (in the reduce dtype):
         averaged over the data-parallel ranks, placed as ``param``, in ``param``'s dtype."""
         mesh, placements = param.device_mesh, param.placements
-        if self.quantize is not None and param.is_floating_point():
+        if self.quantize is not None and param.is_floating_point() and param.dim():
             local = quantized_reduce(grad, error, mesh, placements, param.shape, self.quantize, self.reduce_dtype,
                                      param.to_local().shape, param.dtype)
             return DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape,

@@ -19,6 +19,11 @@ from simplefsdp.runtime.tensor_parallel import shard_tensor_parallel
 PLACEMENTS = {"fully_shard": (Shard(0),), "replicate": (Replicate(),), "hybrid_shard": (Replicate(), Shard(0))}
 
 
+def placements(param: torch.Tensor, mode: str) -> tuple:
+    """``mode``'s placements for ``param``; a 0-dim parameter (a learned scalar) has no dim 0 and is replicated."""
+    return PLACEMENTS[mode] if param.dim() else (Replicate(),) * len(PLACEMENTS[mode])
+
+
 def check_not_sharded(module: nn.Module) -> None:
     """Raise ``ValueError`` if ``compile_sharded`` was applied to ``module`` or a submodule (TP's DTensors are fine)."""
     for prefix, submodule in module.named_modules():
@@ -70,8 +75,9 @@ def broadcast_buffers(module: nn.Module, mesh: DeviceMesh) -> None:
 def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: ReplicateComputation) -> None:
     """Replace each parameter by a DTensor parameter placed for ``mode`` and install the gathering getters.
 
-    Values come from the mesh's first rank. A tied parameter becomes one DTensor shared by the same modules. A
-    tensor-parallel DTensor (``parallelize_module``) becomes a DTensor on the (dp, tp) mesh (``tensor_parallel.py``).
+    Values come from the mesh's first rank; a 0-dim parameter is replicated (its gradient all-reduced). A tied
+    parameter becomes one DTensor shared by the same modules. A tensor-parallel DTensor (``parallelize_module``)
+    becomes a DTensor on the (dp, tp) mesh (``tensor_parallel.py``).
     """
     sharded: dict[int, tuple[int, nn.Parameter, torch.Tensor, torch.Tensor | None]] = {}
     for submodule in module.modules():
@@ -82,9 +88,9 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
             if id(param) not in sharded:
                 computed = param.to_local() if isinstance(param, DTensor) else param  # what the forward reads
                 dtensor = (shard_tensor_parallel(param, mesh) if isinstance(param, DTensor)
-                           else distribute_tensor(param.detach(), mesh, PLACEMENTS[mode]))
+                           else distribute_tensor(param.detach(), mesh, placements(param, mode)))
                 new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
-                error = new_error_buffer(param, mesh, PLACEMENTS[mode], replicate.quantize)
+                error = new_error_buffer(param, mesh, placements(param, mode), replicate.quantize)
                 accumulator = new_accumulator(computed, mesh.device_type, replicate.reduce_dtype)
                 sharded[id(param)] = (len(sharded), new_param, accumulator, error)
             keys[name], submodule._parameters[name], accumulators[name], errors[name] = sharded[id(param)]

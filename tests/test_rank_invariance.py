@@ -1,0 +1,61 @@
+"""Every rank of a group plans the same collectives: the plans are a pure function of rank-invariant facts.
+
+On a fake process group (one process), each zoo model and Llama 3 8B is traced on the rank coordinates of worlds of
+2, 3, 4 and 8 (3 splits most first dimensions unevenly), the passes run with default options, and the collective
+signatures of the graphs that would run must be equal. Ranks whose local shards have the same shapes trace the same
+graph (DTensor's pads and narrows depend on the coordinate only through the shard's size), so one rank per such class
+is traced (``plan_signatures.ranks_by_shards``): 2 or 3 traces per world instead of up to 8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from plan_signatures import plan_signatures, ranks_by_shards
+from simplefsdp.ir.hardware import H100
+from simplefsdp.models.llama import build_model
+from simplefsdp.runtime.mixed_precision import MixedPrecision
+from zoo import ZOO, build, logits
+
+WORLDS = (2, 3, 4, 8)
+
+
+def _assert_every_rank_plans_alike(model, inputs, world: int, shards: int | None = None, **options) -> None:
+    classes = ranks_by_shards(model, world, shards)
+    signatures = [plan_signatures(model, inputs, world, ranks[0], **options) for ranks in classes]
+    for ranks, signature in zip(classes[1:], signatures[1:]):
+        for phase, mine, theirs in zip(("forward", "backward"), signatures[0], signature):
+            difference = next((f"{a!r} vs {b!r}" for a, b in zip(mine, theirs) if a != b),
+                              f"{len(mine)} vs {len(theirs)} collectives")
+            assert mine == theirs, (f"world {world}: ranks {classes[0]} and {ranks} plan different {phase} "
+                                    f"collectives: {difference}")
+
+
+def _output_sum(output, *inputs) -> torch.Tensor:
+    return logits(output).float().sum()
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_every_rank_of_a_zoo_model_plans_the_same_collectives(name):
+    model = build(name)
+    inputs, _ = ZOO[name].batch(0, 2)
+    for world in WORLDS:
+        _assert_every_rank_plans_alike(model, inputs, world, loss_fn=_output_sum)
+
+
+@pytest.mark.parametrize("mode", ["fully_shard", "hybrid_shard"])
+def test_every_rank_of_llama3_8b_plans_the_same_collectives(mode):
+    """Two of its 32 layers (every layer shards alike), bf16 gathers and fp32 reductions, h100 pricing (inspect's
+    defaults); hybrid_shard on (world / 2, 2) (nodes of 2 ranks), whose groups differ between coordinates."""
+    with torch.device("meta"):
+        model = build_model("llama3-8b", n_layers=2)
+    tokens = torch.zeros(1, 128, dtype=torch.long, device="meta")
+    for world in WORLDS if mode == "fully_shard" else (4, 8):
+        hardware = H100 if mode == "fully_shard" else dataclasses.replace(H100, devices_per_node=2)
+        _assert_every_rank_plans_alike(model, (tokens,), world, 2 if mode == "hybrid_shard" else None,
+                                       mode=mode, hardware=hardware, loss_fn=_output_sum,
+                                       mp_policy=MixedPrecision(torch.bfloat16, torch.float32))
+
