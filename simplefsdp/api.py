@@ -18,8 +18,8 @@ from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, def
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
 from simplefsdp.runtime.quantize import Quantize
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
-from simplefsdp.runtime.sharding import (broadcast_buffers, check_not_sharded, check_same_model_on_all_ranks,
-                                         holds_values, shard_parameters)
+from simplefsdp.runtime.rank_agreement import agreement_groups, check_same_model_on_all_ranks
+from simplefsdp.runtime.sharding import broadcast_buffers, check_not_sharded, holds_values, shard_parameters
 from simplefsdp.runtime.tensor_parallel import tensor_parallel_mesh
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
@@ -94,7 +94,8 @@ def compile_sharded(
                          "with parallelize_module, or drop tensor parallelism to quantize")
     if passes:  # "auto" buckets are priced on the hardware this rank computes on
         overlap = OverlapPasses(buckets, reorder, prefetch, memory_budget, local_profile(mesh.device_type),
-                                find_blocks(model) if blocks is None else blocks, data_parallel_groups(mesh))
+                                find_blocks(model) if blocks is None else blocks, data_parallel_groups(mesh),
+                                agreement_groups(mesh, tp_mesh))
         compile_options = inductor_options(overlap, compile_options)
 
     mp_policy = mp_policy or MixedPrecision()
