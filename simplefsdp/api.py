@@ -17,9 +17,9 @@ from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
 from simplefsdp.runtime.quantize import Quantize, check_read_once
+from simplefsdp.runtime.rank_agreement import agreement_groups, check_same_model_on_all_ranks
 from simplefsdp.runtime.replicate_compute import ReplicateComputation, gather_tied_once_per_call, reduce_pending
-from simplefsdp.runtime.sharding import (broadcast_buffers, check_not_sharded, check_same_model_on_all_ranks,
-                                         holds_values, shard_parameters)
+from simplefsdp.runtime.sharding import broadcast_buffers, check_not_sharded, holds_values, shard_parameters
 from simplefsdp.runtime.tensor_parallel import tensor_parallel_mesh
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
@@ -92,7 +92,8 @@ def compile_sharded(
                          "with parallelize_module, or drop tensor parallelism to quantize")
     if passes:  # "auto" buckets are priced on the hardware rank 0 computes on, the same numbers on every rank
         overlap = OverlapPasses(buckets, reorder, prefetch, memory_budget, agreed_profile(mesh.device_type),
-                                find_blocks(model) if blocks is None else blocks, data_parallel_groups(mesh))
+                                find_blocks(model) if blocks is None else blocks, data_parallel_groups(mesh),
+                                agreement_groups(mesh, tp_mesh))
         compile_options = inductor_options(overlap, compile_options)
 
     mp_policy = mp_policy or MixedPrecision()

@@ -20,13 +20,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from simplefsdp import compile_sharded
 from simplefsdp.ir.capture import capture_graphs
 from simplefsdp.ir.hardware import get_profile
-from simplefsdp.ir.schedule import read_schedule
+from simplefsdp.ir.schedule import pinned, read_schedule
+from simplefsdp.ir.signature import collective_lines
 from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.passes.auto_buckets import module_names, plan_auto_buckets
 from simplefsdp.passes.bucket_plan import bucketable, find_blocks, group_collectives, plan_buckets
+from simplefsdp.passes.inductor_internals import pin_order
 from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.reorder import plan_reorder
 from simplefsdp.runtime.fake_world import fake_world
+from simplefsdp.runtime.rank_agreement import agreement_groups
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
 from simplefsdp.runtime.sharding import shard_parameters
 from scenarios import TwoLinears
@@ -321,3 +324,37 @@ def test_first_gather_is_hoisted_above_compute_it_does_not_need(resharded):
             assert prefetch.anchor in nodes and prefetch.anchor not in needed, prefetch
             hoisted += 1
     assert hoisted, passes.plans
+
+
+def test_guard_runs_before_every_collective_only_when_asked(resharded):
+    """With ``agree_over`` each graph starts with one agreement call holding its collective signature, and every
+    collective runs after it; without it (``inspect``) there is none."""
+    graphs, _, _ = resharded
+    agree_op = torch.ops.simplefsdp.agree_on_collectives.default
+    for gm, phase in ((graphs.forward, "forward"), (graphs.backward, "backward")):
+        guarded, plain = copy.deepcopy(gm), copy.deepcopy(gm)
+        final = list(OverlapPasses("block", blocks=BLOCKS).stages(copy.deepcopy(gm), phase))[-1].schedule
+        OverlapPasses("block", blocks=BLOCKS, agree_over=("0",))(guarded.graph)
+        OverlapPasses("block", blocks=BLOCKS)(plain.graph)
+        assert not any(node.target is agree_op for node in plain.graph.nodes)
+        agree = next(node for node in guarded.graph.nodes if node.op != "placeholder")
+        assert agree.target is agree_op and agree.args == ("\n".join(collective_lines(final)), "0")
+        assert sum(node.target is agree_op for node in guarded.graph.nodes) == 1
+        nodes = {node.name: node for node in guarded.graph.nodes}
+        schedule = read_schedule(guarded, phase)
+        for collective in schedule.collectives():
+            assert pinned(nodes[collective.name]) and agree in nodes[collective.name].args[0], collective.name
+        assert collective_lines(schedule) == collective_lines(final)
+    assert agreement_groups(init_device_mesh("cpu", (8,))) == ()  # the fake group: compile_sharded adds no guard
+
+
+def test_pinning_a_pinned_node_keeps_its_dependencies(resharded):
+    graphs, _, _ = resharded
+    forward = copy.deepcopy(graphs.forward)
+    nodes = [node for node in forward.graph.nodes if node.op == "call_function"]
+    first, second, target = nodes[0], nodes[1], nodes[-2]
+    pin_order(forward.graph, {target: [first]})
+    pinned_target = next(node for node in forward.graph.nodes if node.name == target.name)
+    pin_order(forward.graph, {pinned_target: [second]})
+    assert pinned(pinned_target) and pinned_target.args[0] == (first, second)
+    forward.graph.lint()

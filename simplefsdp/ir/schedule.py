@@ -10,8 +10,10 @@ from typing import NamedTuple
 
 import networkx as nx
 import torch
+import torch.distributed as dist
 from torch import fx
 from torch._inductor.fx_passes.control_dependencies import control_deps
+from torch.distributed.distributed_c10d import _resolve_process_group  # private, but the only way from a name
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
@@ -139,6 +141,11 @@ class _Call(NamedTuple):  # the op a node runs, its arguments as nodes of the no
 _RNG_WRAPPERS = {torch.ops.higher_order.graphsafe_run_with_rng_state: 0, torch.ops.higher_order.run_with_rng_state: 1}
 
 
+def pinned(fx_node: fx.Node) -> bool:
+    """Whether ``fx_node`` runs its op through Inductor's ``control_deps`` (``passes.inductor_internals.pin_order``)."""
+    return fx_node.target is control_deps
+
+
 def _call(fx_node: fx.Node) -> _Call:
     """What ``fx_node`` runs. A node pinned by Inductor's ``control_deps`` (``passes.inductor_internals.pin_order``)
     runs the one op of its subgraph; that op is returned with the pinned node's arguments. A node wrapped to replay
@@ -147,7 +154,7 @@ def _call(fx_node: fx.Node) -> _Call:
         index = _RNG_WRAPPERS[fx_node.target]
         kwargs = {name: value for name, value in fx_node.kwargs.items() if name != "rng_state"}
         return _Call(fx_node.args[index], fx_node.args[index + 1:], kwargs)
-    if fx_node.target is not control_deps:
+    if not pinned(fx_node):
         return _Call(fx_node.target, fx_node.args, fx_node.kwargs)
     subgraph = getattr(fx_node.graph.owning_module, fx_node.args[1].target).graph
     inner = next(node for node in subgraph.nodes if node.op == "call_function")
@@ -231,12 +238,14 @@ def _read_collective(call: _Call, output_bytes: int) -> Collective:
 
 def group_ranks(group_name: str) -> tuple[int, ...]:
     """Global ranks of the process group registered as ``group_name`` in this process; ``()`` for an unknown name."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group  # private, but the only way from a name
-
     if not dist.is_initialized():
         return ()
     try:
-        return tuple(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+        return tuple(dist.get_process_group_ranks(process_group(group_name)))
     except (ValueError, RuntimeError, KeyError):
         return ()
+
+
+def process_group(group_name: str) -> dist.ProcessGroup:
+    """The process group registered as ``group_name`` in this process (as a traced collective names it)."""
+    return _resolve_process_group(group_name)

@@ -7,7 +7,10 @@ SHA-256 of the lines, what ranks compare before a graph's first collective (``ru
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import re
+from typing import Sequence
 
 from simplefsdp.ir.schedule import Schedule, ScheduleNode
 
@@ -28,3 +31,12 @@ def collective_lines(schedule: Schedule) -> tuple[str, ...]:
 def signature_digest(lines: tuple[str, ...]) -> str:
     """SHA-256 (hex) of ``lines``."""
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def lines_by_group(lines: Sequence[str]) -> dict[tuple[int, ...], tuple[str, ...]]:
+    """``lines`` split by the global ranks of their process group, program order kept within each group."""
+    grouped: dict[tuple[int, ...], list[str]] = {}
+    for line in lines:
+        ranks = ast.literal_eval(re.search(r" group=(\([\d, ]*\))", line).group(1))
+        grouped.setdefault(ranks, []).append(line)
+    return {ranks: tuple(group_lines) for ranks, group_lines in grouped.items()}

@@ -16,16 +16,16 @@ from torch._inductor.fx_passes.bucketing import (merge_all_reduce_bucket, merge_
                                                  process_collective_bucket)
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch._inductor.pattern_matcher import stable_topological_sort
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._ordered_set import OrderedSet
 
+from simplefsdp.ir.schedule import pinned, process_group
 from simplefsdp.passes.bucket_copies import all_gather_bucket, all_to_all_bucket
 
 
 def merge_all_gathers(graph: fx.Graph, all_gathers: list[fx.Node]) -> None:
     """Replace ``all_gathers`` (one group and dtype, each with one wait) by one all-gather where the first one was."""
     _, group_size, group_name = all_gathers[0].args
-    rank = dist.get_rank(_resolve_process_group(group_name))  # c10d's private lookup of a group by its name
+    rank = dist.get_rank(process_group(group_name))
     dtype = all_gathers[0].meta["val"].dtype
     process_collective_bucket(
         graph, all_gathers, all_gather_bucket, insert_before=all_gathers[0],
@@ -59,5 +59,9 @@ topological_sort = stable_topological_sort  # each node after its inputs, moving
 
 
 def pin_order(graph: fx.Graph, after: dict[fx.Node, list[fx.Node]]) -> None:
-    """Make each node of ``after`` run after the nodes it maps to, in Inductor's scheduler too."""
-    preserve_node_ordering(graph, {node: OrderedSet(deps) for node, deps in after.items() if deps})
+    """Make each node of ``after`` run after the nodes it maps to, in Inductor's scheduler too; a node pinned before
+    keeps its dependencies and gains these."""
+    for node, deps in after.items():
+        if deps and pinned(node):
+            node.args = ((*node.args[0], *deps), *node.args[1:])
+    preserve_node_ordering(graph, {node: OrderedSet(deps) for node, deps in after.items() if deps and not pinned(node)})

@@ -20,6 +20,7 @@ from simplefsdp.ir.schedule import Schedule, read_schedule
 from simplefsdp.passes.auto_buckets import plan_auto_buckets
 from simplefsdp.passes.bucket_apply import apply_buckets
 from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan, plan_buckets
+from simplefsdp.passes.rank_guard import insert_agreement
 from simplefsdp.passes.reorder import ReorderPlan, apply_reorder, plan_reorder
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.py")) + sorted((Path(__file__).parent.parent / "ir").glob("*.py"))
@@ -36,19 +37,24 @@ class PassStage:
 class OverlapPasses(CustomGraphPass):
     """Bucket then reorder one graph, in place; ``plans`` collects each compiled graph's (bucket, reorder) plans.
     ``blocks``: the model's repeated blocks (``bucket_plan.find_blocks``); ``groups``: the data-parallel process
-    groups, whose collectives alone are bucketed and moved (empty: every group's)."""
+    groups, whose collectives alone are bucketed and moved (empty: every group's); ``agree_over``: the process groups
+    of the dimensions of the mesh whose ranks run the graphs: non-empty, each compiled graph checks at run time, before
+    its first collective, that every rank planned the same collectives (``passes/rank_guard.py``)."""
 
     def __init__(self, buckets: BucketMode = "auto", reorder: bool = True, prefetch: int = 1,
                  memory_budget: int | None = None, hardware: str | HardwareProfile = "h100",
-                 blocks: Sequence[str] = (), groups: Sequence[str] = ()) -> None:
+                 blocks: Sequence[str] = (), groups: Sequence[str] = (), agree_over: Sequence[str] = ()) -> None:
         self.buckets, self.reorder, self.prefetch = buckets, reorder, prefetch
         self.memory_budget, self.hardware = memory_budget, hardware
-        self.blocks, self.groups = tuple(blocks), tuple(groups)
+        self.blocks, self.groups, self.agree_over = tuple(blocks), tuple(groups), tuple(agree_over)
         self.plans: list[tuple[BucketPlan | None, ReorderPlan | None]] = []
 
     def __call__(self, graph: fx.Graph) -> None:
-        plans = {stage.name: stage.plan for stage in self.stages(graph.owning_module, graph_phase(graph))}
+        stages = list(self.stages(graph.owning_module, graph_phase(graph)))
+        plans = {stage.name: stage.plan for stage in stages}
         self.plans.append((plans.get("bucketed"), plans.get("reordered")))
+        if self.agree_over:
+            insert_agreement(graph.owning_module, stages[-1].schedule, self.agree_over)
 
     def stages(self, gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | None = None) -> Iterator[PassStage]:
         """Run the passes on ``gm`` in place, yielding its schedule before them and after each pass that is on."""
@@ -74,7 +80,7 @@ class OverlapPasses(CustomGraphPass):
 
     def uuid(self) -> bytes:
         options = (self.buckets, self.reorder, self.prefetch, self.memory_budget, self.hardware, self.blocks,
-                   self.groups)
+                   self.groups, self.agree_over)
         digest = hashlib.sha256(repr(options).encode())
         for path in _SOURCES:
             digest.update(path.read_bytes())

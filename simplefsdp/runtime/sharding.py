@@ -39,32 +39,6 @@ def holds_values(module: nn.Module) -> bool:
     return not any(t.is_meta or is_fake(t) for t in [*module.parameters(), *module.buffers()])
 
 
-def _fingerprint(module: nn.Module) -> list[str]:
-    params = [f"parameter {n} {tuple(p.shape)} {p.dtype}" for n, p in module.named_parameters(remove_duplicate=False)]
-    return params + [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
-
-
-def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Compare parameter/buffer shapes across the mesh; raise ``ValueError`` on every rank if any differ.
-
-    One small object all-gather per mesh dimension: a mismatch is an error here, not a hang in a later collective.
-    """
-    mine = _fingerprint(module)
-    for dim in range(mesh.ndim):
-        group = mesh.get_group(dim)
-        gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
-        for group_rank, theirs in enumerate(gathered):
-            if theirs == mine:
-                continue
-            rank = dist.get_global_rank(group, group_rank)
-            diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
-            detail = (f"{diff[0]} here, {diff[1]} there" if diff
-                      else f"{len(mine)} parameters and buffers here vs {len(theirs)} there")
-            raise ValueError(f"the model differs between rank {dist.get_rank()} and rank {rank}: {detail}; "
-                             "build the same model (same config) on every rank before compile_sharded")
-
-
 def broadcast_buffers(module: nn.Module, mesh: DeviceMesh) -> None:
     """Copy every buffer from the mesh's first rank to all ranks, so all start identical."""
     for buffer in module.buffers():

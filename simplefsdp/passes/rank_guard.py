@@ -1,0 +1,40 @@
+"""The pass side of the cross-rank guard: one call of ``simplefsdp::agree_on_collectives`` at the top of a compiled
+graph, with the graph's collective signature (``ir.signature``) baked in as a constant, and every collective of the
+graph pinned after it.
+
+At run time, before the graph's first collective, the op checks once that every rank planned the same collectives
+(``runtime/rank_agreement.py``). Its arguments are constants of the graph, so a graph loaded from Inductor's FX graph
+cache, where this pass did not run, checks its own plan too. The pass itself runs no collective.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import fx
+
+import simplefsdp.runtime.rank_agreement  # noqa: F401  registers torch.ops.simplefsdp.agree_on_collectives
+from simplefsdp.ir.schedule import Schedule
+from simplefsdp.ir.signature import collective_lines
+from simplefsdp.passes.inductor_internals import pin_order
+
+
+def insert_agreement(gm: fx.GraphModule, schedule: Schedule, group_names: Sequence[str]) -> fx.Node | None:
+    """Insert the guard into ``gm``, whose final schedule is ``schedule``, exchanging over the mesh whose dimensions'
+    process groups are ``group_names``; return its node (``None``: the graph has no data-parallel collective)."""
+    lines = collective_lines(schedule)
+    if not lines:
+        return None
+    graph = gm.graph
+    fake = next(node.meta["val"] for node in graph.find_nodes(op="placeholder")
+                if isinstance(node.meta.get("val"), torch.Tensor))
+    args = ("\n".join(lines), ",".join(group_names))
+    with graph.inserting_before(next(node for node in graph.nodes if node.op != "placeholder")):
+        agree = graph.call_function(torch.ops.simplefsdp.agree_on_collectives.default, args)
+    with fake.fake_mode:
+        agree.meta["val"] = torch.ops.simplefsdp.agree_on_collectives(*args)
+    by_name = {node.name: node for node in graph.nodes}
+    pin_order(graph, {by_name[node.name]: [agree] for node in schedule.collectives()})
+    gm.recompile()
+    return agree

@@ -1,0 +1,142 @@
+"""Ranks agreeing before collectives run: the same model on every rank, and the same collectives in every compiled
+graph.
+
+Both exchange over the dimensions of a mesh with ``gather_over_mesh``, a hierarchical all-gather (along dim 0, then
+what is known so far along dim 1, ...), after which every rank holds every rank's data, without creating a process
+group. Digests go first; full data only when digests differ. Every rank then reaches the same verdict and raises the
+same ``ValueError``, so no rank is left waiting in a collective that a rank which raised never joins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any, Hashable, Mapping, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.fx.node import has_side_effect
+
+from simplefsdp.ir.schedule import process_group
+from simplefsdp.ir.signature import lines_by_group, signature_digest
+
+T = TypeVar("T")
+
+# (lines, group names) of the compiled graphs whose collectives this process's peers agreed on. A later step's call
+# costs the op's dispatch and a hash of its lines: ~20 us on 2 gloo ranks, ~50 us for 1000 collectives.
+AGREED: set[tuple[str, str]] = set()
+
+
+def gather_over_mesh(value: T, groups: Sequence[dist.ProcessGroup]) -> dict[int, T]:
+    """Every rank's ``value``, by global rank, over the mesh whose dimensions' process groups (this rank's) are
+    ``groups``: one object all-gather per dimension, of all the values known so far."""
+    known = {dist.get_rank(): value}
+    for group in groups:
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, known, group=group)
+        known = {rank: theirs for part in gathered for rank, theirs in part.items()}
+    return known
+
+
+def agreement_groups(mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> tuple[str, ...]:
+    """The names of the process groups of the dimensions of the mesh whose ranks run the compiled graphs (``mesh``'s,
+    and tensor parallelism's ``tp_mesh``); empty where no rank can disagree: a world of one rank, or the fake process
+    group (``inspect``, graph tests), whose collectives move no data."""
+    meshes = [mesh] if tp_mesh is None else [mesh, tp_mesh]
+    groups = [each.get_group(dim) for each in meshes for dim in range(each.ndim)]
+    if dist.get_backend(groups[0]) == "fake" or math.prod(dist.get_world_size(group) for group in groups) == 1:
+        return ()
+    return tuple(group.group_name for group in groups)
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(repr(value).encode()).hexdigest()
+
+
+def _fingerprint(module: nn.Module) -> list[str]:
+    params = [f"parameter {n} {tuple(p.shape)} {p.dtype}" for n, p in module.named_parameters(remove_duplicate=False)]
+    return params + [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
+
+
+def _first_difference(theirs: Sequence[str], first: Sequence[str], rank: int, first_rank: int) -> tuple[int, str]:
+    """The index where ``theirs`` (``rank``'s) first differs from ``first`` (``first_rank``'s), and both entries
+    there ("nothing" past the end of one)."""
+    common = min(len(theirs), len(first))
+    index = next((i for i in range(common) if theirs[i] != first[i]), common)
+    mine, reference = (entries[index] if index < len(entries) else "nothing" for entries in (theirs, first))
+    return index, f"{mine} on rank {rank}, {reference} on rank {first_rank}"
+
+
+def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Compare parameter/buffer names, shapes and dtypes across the mesh; raise the same ``ValueError`` on every rank
+    if any differ, naming the lowest rank that differs from the mesh's first rank, and the first difference.
+
+    One object all-gather of a digest per mesh dimension (two more rounds of full fingerprints on a mismatch): a
+    mismatch is an error here, on every rank, not a hang in a later collective."""
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    mine = _fingerprint(module)
+    if len(set(gather_over_mesh(_digest(mine), groups).values())) == 1:
+        return
+    fingerprints = gather_over_mesh(mine, groups)
+    first = min(fingerprints)
+    rank = min(r for r, fingerprint in fingerprints.items() if fingerprint != fingerprints[first])
+    _, detail = _first_difference(fingerprints[rank], fingerprints[first], rank, first)
+    raise ValueError(f"the model differs between rank {rank} and rank {first}: {detail}; "
+                     "build the same model (same config) on every rank before compile_sharded")
+
+
+def _first_disagreement(by_rank: Mapping[int, Mapping[tuple[int, ...], Hashable]]
+                        ) -> tuple[tuple[int, ...], int, int] | None:
+    """The first group (sorted) whose member ranks hold different values, with the lowest differing member and the
+    group's lowest member; ``None`` when every group agrees. A member that holds nothing for the group differs."""
+    for group in sorted({group for values in by_rank.values() for group in values}):
+        members = [rank for rank in sorted(group) if rank in by_rank]
+        reference = by_rank[members[0]].get(group)
+        differing = next((rank for rank in members[1:] if by_rank[rank].get(group) != reference), None)
+        if differing is not None:
+            return group, differing, members[0]
+    return None
+
+
+def check_same_collectives(lines: Sequence[str], groups: Sequence[dist.ProcessGroup]) -> None:
+    """Raise the same ``ValueError`` on every rank of the mesh spanned by ``groups`` unless, for every process group
+    in ``lines`` (``ir.signature``), its members hold the same lines for it.
+
+    One object all-gather of per-group digests per mesh dimension; the lines themselves only on a mismatch."""
+    mine = lines_by_group(lines)
+    digests = gather_over_mesh({group: signature_digest(group_lines) for group, group_lines in mine.items()}, groups)
+    if _first_disagreement(digests) is None:
+        return
+    everyone = gather_over_mesh(mine, groups)
+    group, rank, first = _first_disagreement(everyone)
+    index, detail = _first_difference(everyone[rank].get(group, ()), everyone[first].get(group, ()), rank, first)
+    raise ValueError(
+        f"ranks planned different collectives for one compiled graph: collective {index} on process group {group} "
+        f"is {detail} (module: the first module in it). Running them would hang or exchange the wrong bytes. Every "
+        "rank must plan the same collectives (the passes' plans must depend only on facts that are the same on every "
+        "rank): report this with the model; buckets='block' or buckets=None avoid the automatic planner meanwhile")
+
+
+@torch.library.custom_op("simplefsdp::agree_on_collectives", mutates_args=())
+def agree_on_collectives(lines: str, group_names: str) -> torch.Tensor:
+    """Check that the ranks of the mesh whose dimensions' groups are ``group_names`` (comma-separated) planned the
+    collective ``lines`` (newline-separated) alike (``check_same_collectives``); once per (lines, groups) in the
+    process, a no-op later. Returns an empty tensor for the graph's collectives to depend on.
+
+    A graph compiled again in this process (a recompile) with lines agreed before does not exchange: if another
+    rank's recompile planned differently, that rank alone would wait in the exchange (as without the guard)."""
+    if (lines, group_names) not in AGREED:
+        check_same_collectives(lines.split("\n"), [process_group(name) for name in group_names.split(",")])
+        AGREED.add((lines, group_names))
+    return torch.empty(0)
+
+
+@agree_on_collectives.register_fake
+def _(lines: str, group_names: str) -> torch.Tensor:
+    return torch.empty(0)
+
+
+# Its output only orders the collectives after it: marked as having a side effect, so no pass or scheduler drops it.
+has_side_effect(torch.ops.simplefsdp.agree_on_collectives.default)
