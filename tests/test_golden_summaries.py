@@ -46,15 +46,16 @@ def test_fully_shard_summary(fully_shard):
 debug, fully_shard, world 8, h100
 stage       collectives  predicted step  exposed comm.  peak memory
 traced               62        1.905 ms       1.056 ms   915.23 KiB
-bucketed             13        1.023 ms       223.4 us     1.02 MiB
-reordered            13        870.0 us        70.2 us     1.12 MiB
+bucketed             14        1.044 ms       240.4 us     1.02 MiB
+reordered            14        873.8 us        70.0 us     1.12 MiB
 
 bucket plan
-forward: 5 bucket(s), 2 block(s) layers.0 .. layers.1
+forward: 6 bucket(s), 2 block(s) layers.0 .. layers.1
   all_gather tok_embeddings: 1 collective(s) [tok_embeddings]
   all_gather layers.0.attention_norm: 1 collective(s) [layers.0.attention_norm]
-  all_gather layers.0.attention+layers.0.ffn_norm+layers.0.feed_forward+layers.1.attention_norm: 9 collective(s) [layers.0.attention.wq, layers.0.attention.wk, layers.0.attention.wv, layers.0.attention.wo, layers.0.ffn_norm, layers.0.feed_forward.w1, layers.0.feed_forward.w3, layers.0.feed_forward.w2, layers.1.attention_norm]
-  all_gather layers.1.attention+layers.1.ffn_norm+layers.1.feed_forward+norm: 9 collective(s) [layers.1.attention.wq, layers.1.attention.wk, layers.1.attention.wv, layers.1.attention.wo, layers.1.ffn_norm, layers.1.feed_forward.w1, layers.1.feed_forward.w3, layers.1.feed_forward.w2, norm]
+  all_gather layers.0.attention: 4 collective(s) [layers.0.attention.wq, layers.0.attention.wk, layers.0.attention.wv, layers.0.attention.wo]
+  all_gather layers.0.ffn_norm+layers.0.feed_forward+layers.1.attention_norm+layers.1.attention: 9 collective(s) [layers.0.ffn_norm, layers.0.feed_forward.w1, layers.0.feed_forward.w3, layers.0.feed_forward.w2, layers.1.attention_norm, layers.1.attention.wq, layers.1.attention.wk, layers.1.attention.wv, layers.1.attention.wo]
+  all_gather layers.1.ffn_norm+layers.1.feed_forward+norm: 5 collective(s) [layers.1.ffn_norm, layers.1.feed_forward.w1, layers.1.feed_forward.w3, layers.1.feed_forward.w2, norm]
   all_gather output: 1 collective(s) [output]
 backward: 8 bucket(s), 2 block(s) layers.0 .. layers.1
   all_gather output: 1 collective(s) [output]
@@ -67,11 +68,12 @@ backward: 8 bucket(s), 2 block(s) layers.0 .. layers.1
   reduce_scatter head: 1 collective(s) [tok_embeddings]
 
 reorder plan
-forward: 4 prefetch(es), 1 sunk wait(s)
+forward: 5 prefetch(es), 1 sunk wait(s)
   issue all_gather_into_tensor_1 after wait_tensor (before embedding)
   issue all_gather_into_tensor_out after wait_tensor_1 (before mul_1)
   issue all_gather_into_tensor_out_1 after wait_tensor_21 (before mm)
-  issue all_gather_into_tensor_20 after wait_tensor_22 (before mm_7)
+  issue all_gather_into_tensor_out_2 after wait_tensor_22 (before mul_11)
+  issue all_gather_into_tensor_20 after wait_tensor_23 (before mul_24)
   sink wait_tensor_20 to before mm_14
 backward: 4 prefetch(es), 3 sunk wait(s)
   issue all_gather_into_tensor_20 after the graph inputs (before mm_15)
@@ -83,24 +85,25 @@ backward: 4 prefetch(es), 3 sunk wait(s)
   sink wait_tensor_45 to before reduce_scatter_tensor_20
 
 reordered graphs (what runs)
-predicted step 870.0 us: compute 799.8 us, communication 223.4 us, exposed 70.2 us, overlap 68.6%, lower bound 799.8 us
+predicted step 873.8 us: compute 803.8 us, communication 240.4 us, exposed 70.0 us, overlap 70.9%, lower bound 803.8 us
 peak memory per rank 1.12 MiB at backward:mul_38: sharded_params 64.16 KiB, unsharded_params 96.25 KiB, gradients 8.03 KiB, comm_buffers 0 B, activations 975.30 KiB
 FLOPs per rank per step 1.028e+08
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  forward   all_gather      f0      tok_embeddings                        8  bfloat16    32.00 KiB     17.1 us  no, stalls 17.1 us
   1  forward   all_gather      f1      layers.0.attention_norm               8  bfloat16        128 B     17.0 us  no, stalls 0.9 us
-  2  forward   all_gather      f2      layers.0.attention.wq                 8  bfloat16    96.25 KiB     17.2 us  no, stalls 15.2 us
-  3  forward   all_gather      f3      layers.1.attention.wq                 8  bfloat16    96.25 KiB     17.2 us  yes
-  4  forward   all_gather      f4      output                                8  bfloat16    32.00 KiB     17.1 us  yes
-  5  backward  all_gather      b0      output                                8  bfloat16    32.00 KiB     17.1 us  no, stalls 15.0 us
-  6  backward  all_gather      b1      norm                                  8  bfloat16        128 B     17.0 us  no, stalls 4.8 us
-  7  backward  all_gather      b2      layers.1.feed_forward.w2              8  bfloat16    96.25 KiB     17.2 us  yes
-  8  backward  reduce_scatter  b3      output                                8  float32     64.25 KiB     17.2 us  yes
-  9  backward  all_gather      b4      layers.0.feed_forward.w2              8  bfloat16    96.25 KiB     17.2 us  yes
- 10  backward  reduce_scatter  b5      layers.1.feed_forward.w2              8  float32    192.50 KiB     17.5 us  yes
- 11  backward  reduce_scatter  b6      layers.0.feed_forward.w2              8  float32    192.50 KiB     17.5 us  yes
- 12  backward  reduce_scatter  b7      tok_embeddings                        8  float32     64.00 KiB     17.2 us  no, stalls 17.2 us
+  2  forward   all_gather      f2      layers.0.attention.wq                 8  bfloat16    24.00 KiB     17.1 us  no, stalls 15.0 us
+  3  forward   all_gather      f3      layers.0.ffn_norm                     8  bfloat16    96.25 KiB     17.2 us  yes
+  4  forward   all_gather      f4      layers.1.ffn_norm                     8  bfloat16    72.25 KiB     17.2 us  yes
+  5  forward   all_gather      f5      output                                8  bfloat16    32.00 KiB     17.1 us  yes
+  6  backward  all_gather      b0      output                                8  bfloat16    32.00 KiB     17.1 us  no, stalls 15.0 us
+  7  backward  all_gather      b1      norm                                  8  bfloat16        128 B     17.0 us  no, stalls 4.8 us
+  8  backward  all_gather      b2      layers.1.feed_forward.w2              8  bfloat16    96.25 KiB     17.2 us  yes
+  9  backward  reduce_scatter  b3      output                                8  float32     64.25 KiB     17.2 us  yes
+ 10  backward  all_gather      b4      layers.0.feed_forward.w2              8  bfloat16    96.25 KiB     17.2 us  yes
+ 11  backward  reduce_scatter  b5      layers.1.feed_forward.w2              8  float32    192.50 KiB     17.5 us  yes
+ 12  backward  reduce_scatter  b6      layers.0.feed_forward.w2              8  float32    192.50 KiB     17.5 us  yes
+ 13  backward  reduce_scatter  b7      tok_embeddings                        8  float32     64.00 KiB     17.2 us  no, stalls 17.2 us
 """)
 
 
@@ -214,8 +217,8 @@ def test_hybrid_shard_summary():
 debug, hybrid_shard, world 8, h100-4-per-node
 stage       collectives  predicted step  exposed comm.  peak memory
 traced               83        2.038 ms       1.189 ms   999.42 KiB
-bucketed             15        1.012 ms       209.9 us     1.22 MiB
-reordered            15        914.6 us       112.7 us     1.31 MiB
+bucketed             15        1.012 ms       209.9 us     1.09 MiB
+reordered            15        914.6 us       112.7 us     1.19 MiB
 
 bucket plan
 forward: 5 bucket(s), 2 block(s) layers.0 .. layers.1
@@ -252,7 +255,7 @@ backward: 4 prefetch(es), 1 sunk wait(s)
 
 reordered graphs (what runs)
 predicted step 914.6 us: compute 801.9 us, communication 209.9 us, exposed 112.7 us, overlap 46.3%, lower bound 801.9 us
-peak memory per rank 1.31 MiB at backward:all_gather_into_tensor_out_1: sharded_params 128.31 KiB, unsharded_params 192.50 KiB, gradients 16.06 KiB, comm_buffers 0 B, activations 1007.80 KiB
+peak memory per rank 1.19 MiB at backward:mul_38: sharded_params 128.31 KiB, unsharded_params 96.25 KiB, gradients 16.06 KiB, comm_buffers 0 B, activations 975.30 KiB
 FLOPs per rank per step 1.028e+08
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
