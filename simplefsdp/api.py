@@ -25,6 +25,13 @@ from simplefsdp.runtime.tensor_parallel import tensor_parallel_mesh
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
+def agreed_arguments(arguments: dict[str, Any], backend: str | Callable) -> dict[str, Any]:
+    """The arguments of ``compile_sharded`` that every rank must pass alike, comparable across processes (a backend
+    function by its name; not the mesh, which is each rank's own sub-mesh under tensor parallelism)."""
+    agreed = {name: value for name, value in arguments.items() if name not in ("mesh", "backend")}
+    return {**agreed, "backend": backend if isinstance(backend, str) else getattr(backend, "__qualname__", "?")}
+
+
 def compile_sharded(
     model: ModuleT | None = None,
     *,
@@ -90,6 +97,13 @@ def compile_sharded(
     if tp_mesh is not None and quantize is not None:
         raise ValueError("quantize does not support tensor-parallel (DTensor) parameters yet; pass quantize=None "
                          "with parallelize_module, or drop tensor parallelism to quantize")
+    values = holds_values(model)
+    if values:  # a meta model gets its shards from materialize_sharded; a fake one (inspect's) is only traced
+        model.to(mesh.device_type)
+    # The first collective: ranks that differ in model or arguments would go on to issue different collectives.
+    check_same_model_on_all_ranks(model, mesh, agreed_arguments(arguments, backend))
+    if values:
+        broadcast_buffers(model, mesh)
     if passes:  # "auto" buckets are priced on the hardware rank 0 computes on, the same numbers on every rank
         overlap = OverlapPasses(buckets, reorder, prefetch, memory_budget, agreed_profile(mesh.device_type),
                                 find_blocks(model) if blocks is None else blocks, data_parallel_groups(mesh),
@@ -97,12 +111,6 @@ def compile_sharded(
         compile_options = inductor_options(overlap, compile_options)
 
     mp_policy = mp_policy or MixedPrecision()
-    values = holds_values(model)
-    if values:  # a meta model gets its shards from materialize_sharded; a fake one (inspect's) is only traced
-        model.to(mesh.device_type)
-    check_same_model_on_all_ranks(model, mesh)
-    if values:
-        broadcast_buffers(model, mesh)
     replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,
                                      reshard_after_forward=reshard_after_forward and mode != "replicate",
                                      quantize=quantize, tensor_parallel=tp_mesh)

@@ -87,6 +87,24 @@ def test_shapes_differ_across_ranks():
         "compile_sharded")
 
 
+def _wrap_with_rank_dependent_buckets() -> str:
+    """Rank 1 asks for other buckets than rank 0: with Inductor, rank 0 would wait in the profile's broadcast and
+    plan other collectives; the check compares the arguments before any of that."""
+    try:
+        compile_sharded(nn.Linear(8, 3), buckets="auto" if dist.get_rank() == 0 else "block")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_arguments_differ_across_ranks():
+    messages = run_on_ranks(2, _wrap_with_rank_dependent_buckets)
+    assert messages[0] == messages[1] == (
+        "compile_sharded's arguments differ between rank 1 and rank 0: argument buckets='block' on rank 1, argument "
+        "buckets='auto' on rank 0; pass the same arguments on every rank (they decide which collectives every rank "
+        "issues)")
+
+
 def test_unknown_bucket_mode(no_collectives):
     with pytest.raises(ValueError, match="unknown bucket mode 'per-layer'; choose 'auto', 'block', None, or a manual"):
         compile_sharded(nn.Linear(4, 4), buckets="per-layer")

@@ -69,20 +69,26 @@ def _first_difference(theirs: Sequence[str], first: Sequence[str], rank: int, fi
     return index, f"{mine} on rank {rank}, {reference} on rank {first_rank}"
 
 
-def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Compare parameter/buffer names, shapes and dtypes across the mesh; raise the same ``ValueError`` on every rank
-    if any differ, naming the lowest rank that differs from the mesh's first rank, and the first difference.
+def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh, arguments: Mapping[str, Any] | None = None
+                                  ) -> None:
+    """Compare ``arguments`` (``compile_sharded``'s, as ``name=repr``) and parameter/buffer names, shapes and dtypes
+    across the mesh; raise the same ``ValueError`` on every rank if any differ, naming the lowest rank that differs
+    from the mesh's first rank, and the first difference.
 
     One object all-gather of a digest per mesh dimension (two more rounds of full fingerprints on a mismatch): a
     mismatch is an error here, on every rank, not a hang in a later collective."""
     groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
-    mine = _fingerprint(module)
+    arguments = arguments or {}
+    mine = [f"argument {name}={value!r}" for name, value in arguments.items()] + _fingerprint(module)
     if len(set(gather_over_mesh(_digest(mine), groups).values())) == 1:
         return
     fingerprints = gather_over_mesh(mine, groups)
     first = min(fingerprints)
     rank = min(r for r, fingerprint in fingerprints.items() if fingerprint != fingerprints[first])
-    _, detail = _first_difference(fingerprints[rank], fingerprints[first], rank, first)
+    index, detail = _first_difference(fingerprints[rank], fingerprints[first], rank, first)
+    if index < len(arguments):
+        raise ValueError(f"compile_sharded's arguments differ between rank {rank} and rank {first}: {detail}; pass "
+                         "the same arguments on every rank (they decide which collectives every rank issues)")
     raise ValueError(f"the model differs between rank {rank} and rank {first}: {detail}; "
                      "build the same model (same config) on every rank before compile_sharded")
 
