@@ -70,35 +70,31 @@ def test_unknown_compile_option(fake_world, no_collectives):
         compile_sharded(nn.Linear(4, 4), fulgraph=True)
 
 
-def _wrap_rank_dependent_model() -> str:
-    out_features = 3 if dist.get_rank() == 0 else 4
+def _error_of_compile_sharded(rank_dependent: str) -> str:
+    """This rank's error from ``compile_sharded`` when rank 1 differs from rank 0 in the model (``"model"``: a wider
+    layer) or in an argument (``"buckets"``: with Inductor, rank 0 would wait in the profile's broadcast and plan
+    other collectives; the check compares the arguments before any of that)."""
+    other = dist.get_rank() == 1
     try:
-        compile_sharded(nn.Linear(8, out_features), compile=False)
+        if rank_dependent == "model":
+            compile_sharded(nn.Linear(8, 4 if other else 3), compile=False)
+        else:
+            compile_sharded(nn.Linear(8, 3), buckets="block" if other else "auto")
     except ValueError as error:
         return str(error)
     return "no error"
 
 
 def test_shapes_differ_across_ranks():
-    messages = run_on_ranks(2, _wrap_rank_dependent_model)
+    messages = run_on_ranks(2, _error_of_compile_sharded, "model")
     assert messages[0] == messages[1] == (
         "the model differs between rank 1 and rank 0: parameter weight (4, 8) torch.float32 on rank 1, "
         "parameter weight (3, 8) torch.float32 on rank 0; build the same model (same config) on every rank before "
         "compile_sharded")
 
 
-def _wrap_with_rank_dependent_buckets() -> str:
-    """Rank 1 asks for other buckets than rank 0: with Inductor, rank 0 would wait in the profile's broadcast and
-    plan other collectives; the check compares the arguments before any of that."""
-    try:
-        compile_sharded(nn.Linear(8, 3), buckets="auto" if dist.get_rank() == 0 else "block")
-    except ValueError as error:
-        return str(error)
-    return "no error"
-
-
 def test_arguments_differ_across_ranks():
-    messages = run_on_ranks(2, _wrap_with_rank_dependent_buckets)
+    messages = run_on_ranks(2, _error_of_compile_sharded, "buckets")
     assert messages[0] == messages[1] == (
         "compile_sharded's arguments differ between rank 1 and rank 0: argument buckets='block' on rank 1, argument "
         "buckets='auto' on rank 0; pass the same arguments on every rank (they decide which collectives every rank "
