@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from torch import nn
+from torch._C import DispatchKey
 from torch._dynamo.backends.common import aot_autograd
 
+import simplefsdp
 from simplefsdp import compile_sharded
 from simplefsdp.models.llama import build_model
 
@@ -58,3 +61,25 @@ def test_accumulating_without_sync_still_reshards_after_forward(fake_world):
     assert count(forward, ALL_GATHER) == num_params
     assert count(backward, ALL_GATHER) == num_params - 1  # all but the embedding table, as with sync on
     assert count(backward, REDUCE_SCATTER) == 0
+
+
+class MaskedBias(nn.Module):
+    """A parameter that reaches the output only through ``torch.where`` with a scalar, as T5's relative attention
+    bias reaches its decoder's attention scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        causal = torch.ones(4, 4, dtype=torch.bool, device=x.device).tril()
+        return x + torch.where(causal, self.bias, -1e4)
+
+
+def test_a_parameter_read_through_a_decomposed_op_is_reduce_scattered_when_traced_on_meta():
+    """``where(mask, x, scalar)`` decomposes for autograd; on meta tensors torch 2.13's Python dispatcher ran its meta
+    kernel instead and dropped the gradient (and DTensor's backward failed). The capture decomposes it, and leaves
+    torch's dispatch tables as it found them."""
+    report = simplefsdp.inspect(MaskedBias(), (torch.randn(2, 4, 4),), world_size=2, buckets=None, device="meta")
+    assert [node.collective.kind for node in report.schedules[1].collectives()] == ["reduce_scatter"]
+    assert DispatchKey.AutogradMeta not in torch.ops.aten.where.ScalarOther.py_kernels

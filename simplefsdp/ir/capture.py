@@ -3,22 +3,26 @@
 AOTAutograd runs with Inductor's decompositions and min-cut partitioner, so the split, checkpoint tags, saved tensors,
 collectives and their order are an Inductor compile's; Inductor's post-grad pattern passes are not run, so elementwise
 ops stay unfused. On meta or fake tensors nothing is allocated. Private details used only here: AOTAutograd's input
-descriptors (``node.meta["desc"]``), its ``_boxed_call`` marker, and ``aten._scaled_dot_product_flash_attention``."""
+descriptors (``node.meta["desc"]``), its ``_boxed_call`` marker, ``aten._scaled_dot_product_flash_attention``, and the
+Python dispatcher's kernel tables (``global_decomposition_table``, ``OpOverload.py_kernels``)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch._C import DispatchKey
+from torch._decomp import global_decomposition_table
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
+from torch._ops import OpOverload
 from torch.utils._pytree import tree_flatten
 
 _SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -96,9 +100,32 @@ def fx_backend(on_graph: Callable[[str, fx.GraphModule], None] | None = None,
             _use_fused_attention(gm)
         if on_inputs is not None:
             on_inputs(inputs)
-        return aot_backend(gm, inputs)
+        with _composites_differentiable_on_meta():  # AOTAutograd traces the joint graph here
+            return aot_backend(gm, inputs)
 
     return backend
+
+
+@contextlib.contextmanager
+def _composites_differentiable_on_meta() -> Iterator[None]:
+    """Inside, an op that autograd differentiates through its decomposition (``CompositeImplicitAutograd``) keeps its
+    gradient on meta tensors while AOTAutograd traces, as in eager: it decomposes at the ``AutogradMeta`` key.
+
+    torch 2.13's Python dispatcher runs such an op's Python meta kernel below autograd instead, so no gradient flows
+    through it (``torch.where(mask, x, -inf)`` in T5's decoder left its relative attention bias without one)."""
+    ops = {op for table in global_decomposition_table.values() for op in table
+           if isinstance(op, OpOverload) and DispatchKey.Meta in op.py_kernels
+           and op.has_kernel_for_dispatch_key(DispatchKey.CompositeImplicitAutograd)
+           and not op.has_kernel_for_dispatch_key(DispatchKey.Autograd)
+           and not op.has_kernel_for_dispatch_key(DispatchKey.AutogradMeta)}
+    for op in ops:
+        op.py_impl(DispatchKey.AutogradMeta)(op.decompose)
+    try:
+        yield
+    finally:
+        for op in ops:
+            del op.py_kernels[DispatchKey.AutogradMeta]
+            op._dispatch_cache.clear()  # py_impl clears it on registering; nothing public does on removing
 
 
 def run_boxed(gm: fx.GraphModule) -> Callable[[list], object]:
