@@ -38,12 +38,7 @@ def _output_sum(output, *inputs) -> torch.Tensor:
     return logits(output).float().sum()
 
 
-# T5 trains (test_zoo) but does not trace on the meta device: DTensor's redistribute backward meets a FunctionalTensor
-# during AOTAutograd's capture there ("'FunctionalTensor' object has no attribute '_local_tensor'").
-TRACEABLE = [name for name in ZOO if name != "t5"]
-
-
-@pytest.mark.parametrize("name", TRACEABLE)
+@pytest.mark.parametrize("name", ZOO)
 def test_every_rank_of_a_zoo_model_plans_the_same_collectives(name):
     model = build(name)
     inputs, _ = ZOO[name].batch(0, 2)
