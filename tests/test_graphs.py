@@ -83,3 +83,28 @@ def test_a_parameter_read_through_a_decomposed_op_is_reduce_scattered_when_trace
     report = simplefsdp.inspect(MaskedBias(), (torch.randn(2, 4, 4),), world_size=2, buckets=None, device="meta")
     assert [node.collective.kind for node in report.schedules[1].collectives()] == ["reduce_scatter"]
     assert DispatchKey.AutogradMeta not in torch.ops.aten.where.ScalarOther.py_kernels
+
+
+class TiedOutput(nn.Module):
+    """An embedding whose table is also the output layer (GPT-2's tying): the root gathers it once per call, in a
+    forward pre-hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.hidden = nn.Linear(8, 8)
+        self.output = nn.Linear(8, 16, bias=False)
+        self.output.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.output(self.hidden(self.embed(tokens)))
+
+
+def test_inspect_of_a_tied_model_prices_its_whole_step():
+    """The root's pre-hook (the tied table's gather) is traced into the model's graph, as in ``compile_sharded``'s
+    compiled call, so the captured backward is the model's, not the hook's: a reduce-scatter per parameter, the tied
+    one once, and the forward gathers each parameter once."""
+    report = simplefsdp.inspect(TiedOutput(), (torch.randint(0, 16, (2, 4)),), world_size=2, buckets=None)
+    forward, backward = ([node.collective.kind for node in schedule.collectives()] for schedule in report.schedules)
+    assert forward == ["all_gather"] * 3  # embed.weight (= output.weight), hidden.weight, hidden.bias
+    assert backward.count("reduce_scatter") == 3

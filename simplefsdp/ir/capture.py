@@ -55,9 +55,13 @@ def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: 
         dynamo_inputs[:] = [names.get(id(value)) for value in inputs]
 
     backend = fx_backend(graphs.__setitem__, record_inputs, fused_attention=fused_attention)
-    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
-    # Each capture is a new model object, so Dynamo compiles its forward's code again: lift the per-code limit
-    # (8) to the process-wide one, or the ninth capture of one model class in a process would fail.
+
+    def call(*inputs):  # the model's forward hooks join its graph, as in compile_sharded's compiled call
+        return model(*inputs)
+
+    compiled = torch.compile(call, backend=backend, fullgraph=True, dynamic=dynamic)
+    # Each capture is a new model object, so Dynamo compiles this code again: lift the per-code limit (8) to the
+    # process-wide one, or the ninth capture in a process would fail.
     limit = torch._dynamo.config.accumulated_recompile_limit
     try:
         with torch._dynamo.config.patch(recompile_limit=max(limit, torch._dynamo.config.recompile_limit)):
