@@ -63,9 +63,13 @@ TWO_RANK_JOBS = {
     "graph_break-inductor": ("graph_break", "simplefsdp", INDUCTOR),
     "linear_7x5-passes-off-inductor": ("linear_7x5", "simplefsdp", PASSES_OFF),
 }
+HYBRID = {"mode": "hybrid_shard", "mesh_shape": (2, 2)}
 FOUR_RANK_JOBS = {
-    "hybrid_shard-eager": ("llama", "simplefsdp", {**EAGER, "mode": "hybrid_shard", "mesh_shape": (2, 2)}),
-    "hybrid_shard-inductor": ("llama", "simplefsdp", {**INDUCTOR, "mode": "hybrid_shard", "mesh_shape": (2, 2)}),
+    "hybrid_shard-eager": ("llama", "simplefsdp", {**EAGER, **HYBRID}),
+    "hybrid_shard-inductor": ("llama", "simplefsdp", {**INDUCTOR, **HYBRID}),
+    # the (1, 8) scale leaves shard coordinate 1 of each replica an empty shard; the (3, 8) projection splits 2 + 1
+    "tiny_first_dim-hybrid_shard-eager": ("tiny_first_dim", "simplefsdp", {**EAGER, **HYBRID}),
+    "tiny_first_dim-hybrid_shard-inductor": ("tiny_first_dim", "simplefsdp", {**INDUCTOR, **HYBRID}),
 }
 JOBS = {**{name: (2, job) for name, job in TWO_RANK_JOBS.items()}, **{name: (4, job) for name, job in FOUR_RANK_JOBS.items()}}
 

@@ -4,12 +4,15 @@ On a fake process group (one process), each zoo model and Llama 3 8B is traced o
 2, 3, 4 and 8 (3 splits most first dimensions unevenly), the passes run with default options, and the collective
 signatures of the graphs that would run must be equal. Ranks whose local shards have the same shapes trace the same
 graph (DTensor's pads and narrows depend on the coordinate only through the shard's size), so one rank per such class
-is traced (``plan_signatures.ranks_by_shards``): 2 or 3 traces per world instead of up to 8.
+is traced (``plan_signatures.ranks_by_shards``): 2 or 3 traces per world instead of up to 8. ``hybrid_shard`` also runs
+on a model with empty shards; there a replica group's all-reduce holds its own coordinate's shard, so only its element
+count may differ between coordinates.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -25,13 +28,24 @@ WORLDS = (2, 3, 4, 8)
 
 def _assert_every_rank_plans_alike(model, inputs, world: int, shards: int | None = None, **options) -> None:
     classes = ranks_by_shards(model, world, shards)
-    signatures = [plan_signatures(model, inputs, world, ranks[0], **options) for ranks in classes]
+    signatures = [tuple(tuple(_as_other_coordinates_plan(line, shards) for line in lines)
+                        for lines in plan_signatures(model, inputs, world, ranks[0], **options)) for ranks in classes]
     for ranks, signature in zip(classes[1:], signatures[1:]):
         for phase, mine, theirs in zip(("forward", "backward"), signatures[0], signature):
             difference = next((f"{a!r} vs {b!r}" for a, b in zip(mine, theirs) if a != b),
                               f"{len(mine)} vs {len(theirs)} collectives")
             assert mine == theirs, (f"world {world}: ranks {classes[0]} and {ranks} plan different {phase} "
                                     f"collectives: {difference}")
+
+
+def _as_other_coordinates_plan(line: str, shards: int | None) -> str:
+    """``line`` as the ranks of another shard coordinate must plan it too. A replica group (``hybrid_shard``'s
+    all-reduce, groups of stride ``shards``) holds the ranks of one shard coordinate: its element count is their own
+    uneven shard's, on which only its members must agree; the plan around it is priced by the padded shard
+    (``bucket_plan.planned_bytes``), so its kind, order, dtype and module must still match."""
+    if shards is None or f"/stride{shards} " not in line:
+        return line
+    return re.sub(r"elements=\d+", "elements=<this coordinate's shard>", line)
 
 
 def _output_sum(output, *inputs) -> torch.Tensor:
@@ -44,6 +58,15 @@ def test_every_rank_of_a_zoo_model_plans_the_same_collectives(name):
     inputs, _ = ZOO[name].batch(0, 2)
     for world in WORLDS:
         _assert_every_rank_plans_alike(model, inputs, world, loss_fn=_output_sum)
+
+
+def test_every_rank_of_a_hybrid_shard_model_with_empty_shards_plans_the_same_collectives():
+    """A (2, 2) mesh: shard coordinate 1 holds an empty shard of the (1,) gain and 1 of the 3 rows of the projection.
+    It is traced in this process after coordinate 0, so it must trace with its own mesh, not one DTensor cached."""
+    name = "fewer_elements_than_ranks"
+    model = build(name)
+    inputs, _ = ZOO[name].batch(0, 2)
+    _assert_every_rank_plans_alike(model, inputs, 4, 2, mode="hybrid_shard", loss_fn=_output_sum)
 
 
 @pytest.mark.parametrize("mode", ["fully_shard", "hybrid_shard"])
