@@ -300,7 +300,7 @@ def run_jobs(jobs: list[tuple[str, str, dict]]) -> list[dict]:
 # step 2, then each changes alone; eval and inference follow at sizes training never saw.
 CHANGING_SHAPES = [(4, 32), (4, 32), (3, 48), (3, 64), (2, 32)]
 EVAL_SHAPES = {"eval_no_grad": (3, 40), "inference_mode": (2, 24)}
-SGD_LR = 1e-2
+CHANGING_SHAPES_LR = 1e-2
 
 
 def changing_batch(step: int, size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,7 +317,7 @@ def train_changing_shapes(model: nn.Module, world: int, rank: int | None = None,
     """
     from torch._dynamo.utils import counters
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    optimizer = torch.optim.SGD(model.parameters(), lr=CHANGING_SHAPES_LR)
     graphs_before, losses, graphs = counters["stats"]["unique_graphs"], [], []
     for step, (size, seq_len) in enumerate(CHANGING_SHAPES):
         inputs, target = changing_batch(step, size * world, seq_len)
