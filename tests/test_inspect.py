@@ -310,11 +310,12 @@ def test_one_model_class_can_be_captured_more_often_than_dynamos_per_code_limit(
 
 
 def test_inspect_shards_as_compile_sharded_does_casting_float_inputs_to_param_dtype():
-    """inspect shards through compile_sharded itself, so the input reaches the graph in bf16, as in training."""
+    """inspect shards through compile_sharded itself and traces its hooks into the graph, as compile_sharded's
+    compiled call does: the fp32 input enters the graph, which casts it to bf16."""
     report = simplefsdp.inspect(TwoLinears(), (torch.randn(8, 8),), world_size=4, mp_policy=BF16_FP32,
                                 buckets=None, reorder=False)
     (x,) = [graph_input for graph_input in report.stage("traced").forward.inputs if graph_input.param_fqn is None]
-    assert x.bytes == 8 * 8 * torch.bfloat16.itemsize
+    assert x.bytes == 8 * 8 * torch.float32.itemsize
 
 
 def test_summary_json_lists_each_stage_with_wire_bytes_tokens_per_second_and_peak(tmp_path):
