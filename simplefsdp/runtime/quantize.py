@@ -216,13 +216,18 @@ def quantized_replicate(param: DTensor, error: torch.Tensor | None, quantize: Qu
 
 
 def error_feedback_state(model: nn.Module) -> dict[str, DTensor]:
-    """Every error feedback buffer by ``<module>.<parameter>``, as a DTensor of one row block per rank (each rank's
-    own state, so checkpoints save and load each rank's buffers in place)."""
-    return {f"{module_name}.{name}".lstrip("."):
-            DTensor.from_local(error, mesh, [Shard(0)] * mesh.ndim, run_check=False)
-            for module_name, module in model.named_modules()
-            for name, error in vars(module).get("_error_feedback", {}).items() if error is not None
-            for mesh in [module._parameters[name].device_mesh]}
+    """Every error feedback buffer once, by ``<module>.<parameter>`` (a tied parameter's one buffer by its first name,
+    as ``named_parameters`` names it), as a DTensor of one row block per rank (each rank's own state, so checkpoints
+    save and load each rank's buffers in place)."""
+    state, seen = {}, set()
+    for module_name, module in model.named_modules():
+        for name, error in vars(module).get("_error_feedback", {}).items():
+            if error is not None and id(error) not in seen:
+                seen.add(id(error))
+                mesh = module._parameters[name].device_mesh
+                state[f"{module_name}.{name}".lstrip(".")] = DTensor.from_local(error, mesh, [Shard(0)] * mesh.ndim,
+                                                                                run_check=False)
+    return state
 
 
 def materialize_error_buffers(model: nn.Module, device: str) -> None:
