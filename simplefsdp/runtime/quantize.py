@@ -65,7 +65,10 @@ def quantize_option(args: argparse.Namespace) -> Quantize | None:
 
 def check_read_once(model: nn.Module, compile: bool) -> None:
     """Raise ``ValueError`` where a parameter would be exchanged twice a step, so its error feedback counted twice:
-    a module placed twice in the model, or tied parameters without compiling (eager gathers at every read)."""
+    a module placed twice in the model, or tied parameters without compiling (eager gathers at every read; a compiled
+    call gathers a tied parameter once, and exchanges the sum of its uses' gradients once). Not caught: a module called
+    more than once in one forward (a looped block) is exchanged at each call; only tracing tells, and bookkeeping of
+    reads inside a checkpointed block would break Dynamo's graph there."""
     if len(list(model.named_modules(remove_duplicate=False))) > len(list(model.modules())):
         raise ValueError("a module of the model is placed twice in it, so its parameters would be exchanged twice "
                          "a step and their error feedback counted twice; pass Quantize(..., error_feedback=False)")
