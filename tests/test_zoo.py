@@ -128,3 +128,6 @@ def test_tied_gpt2_matches_full_precision_with_int8_communication_as_closely_as_
         tied = result["gpt2"]["error_feedback"]
         # one buffer for the embedding and the output layer, by its first name, carrying residuals after the steps
         assert "lm_head.weight" not in tied and tied["transformer.wte.weight"], tied
+        # LoRA's frozen base weights exchange no gradient: only the adapters have error buffers
+        assert result["lora_llama"]["error_feedback"].keys() == {
+            key for key, p in build("lora_llama").named_parameters() if p.requires_grad}

@@ -123,11 +123,12 @@ def replicas_and_shards(mesh: DeviceMesh, placements: Sequence[Placement]) -> tu
 def new_error_buffer(param: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
                      quantize: Quantize | None) -> torch.Tensor | None:
     """One rank's error feedback, fp32: ``(shards, padded)``, a row per destination rank (none for one shard), and
-    with replicas one more row for the exchange between them; None when not needed."""
+    with replicas one more row for the exchange between them; None when not needed (a parameter frozen when sharded,
+    e.g. LoRA's base weights, has no gradient to exchange: were it unfrozen later, it would exchange without one)."""
     replicas, shards = replicas_and_shards(mesh, placements)
     rows = shards * (shards > 1) + (replicas > 1)
     if quantize is None or quantize.reduce is None or not quantize.error_feedback or not param.is_floating_point() \
-            or not rows or not param.dim():
+            or not param.requires_grad or not rows or not param.dim():
         return None
     device = "meta" if param.is_meta else mesh.device_type  # allocated by materialize_error_buffers
     return torch.zeros(rows, padded_rows(param.shape, shards, quantize.block_size, replicas)[1], device=device)
