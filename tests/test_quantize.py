@@ -1,5 +1,6 @@
 """Low-bit communication: the wire format's round trip, the quantized step on 2 gloo ranks against a hand-computed
-exchange, error feedback, no-sync and checkpoints, and the quantized graphs on the fake process group."""
+exchange, error feedback (a tied weight's: one buffer, one exchange), no-sync and checkpoints, and the quantized
+graphs on the fake process group."""
 
 from __future__ import annotations
 
