@@ -1,5 +1,6 @@
 """Low-bit communication: the wire format's round trip, the quantized step on 2 gloo ranks against a hand-computed
-exchange, error feedback, no-sync and checkpoints, and the quantized graphs on the fake process group."""
+exchange, error feedback (a tied weight's: one buffer, one exchange), no-sync and checkpoints, and the quantized
+graphs on the fake process group."""
 
 from __future__ import annotations
 
@@ -67,18 +68,18 @@ def test_bad_options_are_refused_before_anything_compiles():
         compile_sharded(tied, quantize=QUANTIZE, compile=False)
 
 
-def _hand_exchange(sent, error):
+def _hand_exchange(sent, error, quantize=QUANTIZE):
     """The reference exchange: row ``i`` of every rank's ``sent + error`` quantized and decoded on rank ``i``, summed
     there in fp32; returns this rank's sum and its new error buffer."""
     sent = sent + error
-    decoded = unpack_dequantize(quantize_pack(sent, QUANTIZE.reduce, BLOCK), QUANTIZE.reduce, BLOCK)
+    decoded = unpack_dequantize(quantize_pack(sent, quantize.reduce, BLOCK), quantize.reduce, BLOCK)
     everyone = [torch.empty_like(decoded) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, decoded)
     mine = sum(decoded_by[dist.get_rank()] for decoded_by in everyone)
-    return mine, QUANTIZE.beta * error + (1 - QUANTIZE.beta) * (sent - decoded)
+    return mine, quantize.beta * error + (1 - quantize.beta) * (sent - decoded)
 
 
-def _hand_reduced(local_grad, error, world, replicas=1):
+def _hand_reduced(local_grad, error, world, replicas=1, quantize=QUANTIZE):
     """The gradient shard of this rank averaged over ``world`` shards, or over the world's ranks as ``replicas`` of
     one shard each (the one-rank exchange skipped); and this rank's new error buffer."""
     values, padded = padded_rows(local_grad.shape, world, BLOCK, replicas)
@@ -86,14 +87,14 @@ def _hand_reduced(local_grad, error, world, replicas=1):
     rows[:local_grad.numel()] = local_grad.flatten()
     sent = torch.nn.functional.pad(rows.reshape(world, values), (0, padded - values))
     if replicas == 1:
-        mine, new_error = _hand_exchange(sent, error)
+        mine, new_error = _hand_exchange(sent, error, quantize)
         return mine[:values] / world, new_error
     chunks = sent.reshape(replicas, -1)  # each replica sums its chunk, then every replica decodes every chunk
-    reduced, chunk_error = _hand_exchange(chunks, error.reshape(chunks.shape))
-    packed = quantize_pack((reduced / replicas).reshape(1, -1), QUANTIZE.reduce, BLOCK)
+    reduced, chunk_error = _hand_exchange(chunks, error.reshape(chunks.shape), quantize)
+    packed = quantize_pack((reduced / replicas).reshape(1, -1), quantize.reduce, BLOCK)
     everyone = [torch.empty_like(packed) for _ in range(replicas)]
     dist.all_gather(everyone, packed)
-    decoded = unpack_dequantize(torch.cat(everyone), QUANTIZE.reduce, BLOCK).reshape(-1)
+    decoded = unpack_dequantize(torch.cat(everyone), quantize.reduce, BLOCK).reshape(-1)
     return decoded[:values], chunk_error.reshape(1, -1)
 
 
@@ -140,22 +141,56 @@ def _replica_steps(root, mode):
     return exact, same, loaded
 
 
+class TiedLinears(nn.Module):
+    """Two linear layers of one weight (tied, as GPT-2's token embedding and output layer), each on its own input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 33), nn.Linear(16, 33)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.first(x) + self.second(x.flip(-1))
+
+
+def _step(model, plain, number):
+    """Step ``number``'s backward on ``model`` and on ``plain``; the collectives of ``model``'s backward."""
+    x, weight = _batch(number, dist.get_rank())
+    loss = (model(x) * weight).sum()
+    with CountCollectives(any_dtype=True) as counter:
+        loss.backward()
+    (plain(x) * weight).sum().backward()  # the weight gradient of a linear loss does not depend on the weights
+    return dict(counter.counts)
+
+
+def _two_exact_steps(model, plain, quantize):
+    """Steps 1 and 2 with SGD: whether every gradient and error buffer equals ``_hand_reduced`` of ``plain``'s
+    gradient bitwise (for a tied weight: one exchange of the sum of its uses' gradients), and the last backward's
+    collectives."""
+    optimizer, exact = torch.optim.SGD(model.parameters(), lr=0.1), True
+    for number in (1, 2):
+        errors = {name: error.to_local().clone() for name, error in error_feedback_state(model).items()}
+        collectives = _step(model, plain, number)
+        for name, param in model.named_parameters():
+            expected, expected_error = _hand_reduced(dict(plain.named_parameters())[name].grad, errors[name],
+                                                     dist.get_world_size(), quantize=quantize)
+            exact &= torch.equal(param.grad.to_local().flatten(), expected[:param.to_local().numel()])
+            exact &= torch.equal(error_feedback_state(model)[name].to_local(), expected_error)
+        plain.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
+    return exact, collectives
+
+
 def _quantized_steps(root):
     """Integer data and a linear loss: each rank's local gradient is exact in any order, so the quantized
-    exchange can be compared bitwise with ``_hand_reduced``. One model, compiled by ``aot_eager`` (Inductor's C++
-    compiles would cost a minute here; its kernels are checked against eager above), serves every check."""
+    exchange can be compared bitwise with ``_hand_reduced``. Compiled by ``aot_eager`` (Inductor's C++ compiles
+    would cost a minute here; its kernels are checked against eager above): one linear layer serves every check but
+    the tied weight's, which a compiled call gathers once (eager gathers at every read) and ``TiedLinears`` checks."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model, plain = compile_sharded(nn.Linear(16, 33), quantize=QUANTIZE, backend="aot_eager"), nn.Linear(16, 33)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(number):
-        x, weight = _batch(number, rank)
-        loss = (model(x) * weight).sum()
-        with CountCollectives(any_dtype=True) as counter:
-            loss.backward()
-        (plain(x) * weight).sum().backward()  # the weight gradient of a linear loss does not depend on the weights
-        return dict(counter.counts)
 
     def snapshot(grads=False):
         """Every error buffer and parameter (or gradient) shard of this rank, copied."""
@@ -165,32 +200,23 @@ def _quantized_steps(root):
     def equal(a, b):
         return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
-    results = {"exact": True}
-    for number in (1, 2):
-        errors = {name: error.to_local().clone() for name, error in error_feedback_state(model).items()}
-        results["backward_collectives"] = step(number)
-        for name, param in model.named_parameters():
-            expected, expected_error = _hand_reduced(dict(plain.named_parameters())[name].grad, errors[name], world)
-            results["exact"] &= torch.equal(param.grad.to_local().flatten(), expected[:param.to_local().numel()])
-            results["exact"] &= torch.equal(error_feedback_state(model)[name].to_local(), expected_error)
-        plain.zero_grad()
-        optimizer.step()
-        optimizer.zero_grad()
+    results = {}
+    results["exact"], results["backward_collectives"] = _two_exact_steps(model, plain, QUANTIZE)
     results["error_carried"] = all(e.to_local().abs().sum() > 0 for e in error_feedback_state(model).values())
 
     saved, at_save = save_checkpoint(root, 2, model, optimizer), snapshot()
-    step(3)
+    _step(model, plain, 3)
     after_step_3 = snapshot(), snapshot(grads=True)
     optimizer.step()  # moves the weights, as step 3 moved the error buffers
     optimizer.zero_grad()
     load_checkpoint(saved, model, optimizer)
     results["loaded_exact"] = equal(snapshot(), at_save) and not equal(after_step_3[0], at_save)
-    step(3)
+    _step(model, plain, 3)
     results["resume_exact"] = equal(snapshot(), after_step_3[0]) and equal(snapshot(grads=True), after_step_3[1])
 
     before = snapshot()
     with model.no_sync():
-        results["no_sync_backward_collectives"] = step(4)
+        results["no_sync_backward_collectives"] = _step(model, plain, 4)
     results["no_sync_errors_unchanged"] = equal(snapshot(), before)
 
     # The bucketing pass's merged all-to-all moves every byte as the separate ones would.
@@ -202,6 +228,13 @@ def _quantized_steps(root):
     for mode in ("hybrid_shard", "replicate"):
         results[f"{mode}_exact"], results[f"{mode}_replicas_equal"], results[f"{mode}_loaded"] = _replica_steps(
             f"{root}/{mode}", mode)
+
+    int8 = dataclasses.replace(QUANTIZE, reduce="int8")
+    tied = compile_sharded(TiedLinears(), quantize=int8, backend="aot_eager")
+    results["tied_exact"], collectives = _two_exact_steps(tied, TiedLinears(), int8)
+    results["tied_exchanges"] = collectives.get("all_to_all_single", 0), len(list(tied.parameters()))
+    results["tied_error_buffers"] = {name: error.to_local().abs().sum().item() > 0
+                                     for name, error in error_feedback_state(tied).items()}
     return results
 
 
@@ -220,6 +253,11 @@ def test_quantized_step_matches_the_hand_computed_exchange(tmp_path):
             assert result[f"{mode}_exact"], mode  # the cross-replica exchange as the hand reference, bitwise
             assert result[f"{mode}_replicas_equal"], mode
             assert result[f"{mode}_loaded"], mode
+        # a tied weight (int8 both ways): one error buffer, carried once, and one exchange of the summed gradient
+        assert result["tied_exact"]
+        assert result["tied_error_buffers"] == {"first.weight": True, "first.bias": True, "second.bias": True}
+        exchanges, parameters = result["tied_exchanges"]
+        assert exchanges == parameters == 3  # no bucketing under aot_eager: one all-to-all per parameter
 
 
 def _passed_schedules(quantize, mode="fully_shard", mesh_shape=(8,)):

@@ -65,7 +65,10 @@ def quantize_option(args: argparse.Namespace) -> Quantize | None:
 
 def check_read_once(model: nn.Module, compile: bool) -> None:
     """Raise ``ValueError`` where a parameter would be exchanged twice a step, so its error feedback counted twice:
-    a module placed twice in the model, or tied parameters without compiling (eager gathers at every read)."""
+    a module placed twice in the model, or tied parameters without compiling (eager gathers at every read; a compiled
+    call gathers a tied parameter once, and exchanges the sum of its uses' gradients once). Not caught: a module called
+    more than once in one forward (a looped block) is exchanged at each call; only tracing tells, and bookkeeping of
+    reads inside a checkpointed block would break Dynamo's graph there."""
     if len(list(model.named_modules(remove_duplicate=False))) > len(list(model.modules())):
         raise ValueError("a module of the model is placed twice in it, so its parameters would be exchanged twice "
                          "a step and their error feedback counted twice; pass Quantize(..., error_feedback=False)")
@@ -120,11 +123,12 @@ def replicas_and_shards(mesh: DeviceMesh, placements: Sequence[Placement]) -> tu
 def new_error_buffer(param: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
                      quantize: Quantize | None) -> torch.Tensor | None:
     """One rank's error feedback, fp32: ``(shards, padded)``, a row per destination rank (none for one shard), and
-    with replicas one more row for the exchange between them; None when not needed."""
+    with replicas one more row for the exchange between them; None when not needed (a parameter frozen when sharded,
+    e.g. LoRA's base weights, has no gradient to exchange: were it unfrozen later, it would exchange without one)."""
     replicas, shards = replicas_and_shards(mesh, placements)
     rows = shards * (shards > 1) + (replicas > 1)
     if quantize is None or quantize.reduce is None or not quantize.error_feedback or not param.is_floating_point() \
-            or not rows or not param.dim():
+            or not param.requires_grad or not rows or not param.dim():
         return None
     device = "meta" if param.is_meta else mesh.device_type  # allocated by materialize_error_buffers
     return torch.zeros(rows, padded_rows(param.shape, shards, quantize.block_size, replicas)[1], device=device)
@@ -216,13 +220,18 @@ def quantized_replicate(param: DTensor, error: torch.Tensor | None, quantize: Qu
 
 
 def error_feedback_state(model: nn.Module) -> dict[str, DTensor]:
-    """Every error feedback buffer by ``<module>.<parameter>``, as a DTensor of one row block per rank (each rank's
-    own state, so checkpoints save and load each rank's buffers in place)."""
-    return {f"{module_name}.{name}".lstrip("."):
-            DTensor.from_local(error, mesh, [Shard(0)] * mesh.ndim, run_check=False)
-            for module_name, module in model.named_modules()
-            for name, error in vars(module).get("_error_feedback", {}).items() if error is not None
-            for mesh in [module._parameters[name].device_mesh]}
+    """Every error feedback buffer once, by ``<module>.<parameter>`` (a tied parameter's one buffer by its first name,
+    as ``named_parameters`` names it), as a DTensor of one row block per rank (each rank's own state, so checkpoints
+    save and load each rank's buffers in place)."""
+    state, seen = {}, set()
+    for module_name, module in model.named_modules():
+        for name, error in vars(module).get("_error_feedback", {}).items():
+            if error is not None and id(error) not in seen:
+                seen.add(id(error))
+                mesh = module._parameters[name].device_mesh
+                state[f"{module_name}.{name}".lstrip(".")] = DTensor.from_local(error, mesh, [Shard(0)] * mesh.ndim,
+                                                                                run_check=False)
+    return state
 
 
 def materialize_error_buffers(model: nn.Module, device: str) -> None:
