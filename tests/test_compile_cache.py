@@ -1,4 +1,5 @@
-"""Restarts are warm: a second process compiling the same sharded model loads its graphs from the caches.
+"""Restarts are warm: a second process compiling the same sharded model loads its graphs from the caches; two
+processes compiling it at once compile each graph once.
 
 Every restart, resume and healing replica group depends on this. The sharded parameters bring their
 ``DeviceMesh`` into the graphs as inputs, which PyTorch 2.13 keyed by a per-process hash (a miss in
@@ -16,8 +17,13 @@ import sys
 import pytest
 
 # Two small sharded models with activation checkpointing, our passes on and off: forward and backward of each.
+# With $START_TOGETHER (a directory), each process waits there for the other before compiling.
 COMPILE_BOTH = """
-import json, os, torch
+import json, os, time, torch
+if together := os.environ.get("START_TOGETHER"):
+    open(os.path.join(together, str(os.getpid())), "w").close()
+    while len(os.listdir(together)) < 2:
+        time.sleep(0.05)
 from torch import nn
 from torch._dynamo.utils import counters
 import simplefsdp
@@ -53,11 +59,21 @@ os._exit(0)
 """
 
 
-def compile_in_new_process(cache_dir: str, **env_vars: str) -> dict[str, int]:
+def compile_in_new_processes(cache_dir: str, count: int = 1, **env_vars: str) -> list[dict[str, int]]:
+    """The compile caches' counters of ``count`` processes compiling COMPILE_BOTH at the same time."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, **env_vars}
-    result = subprocess.run([sys.executable, "-c", COMPILE_BOTH], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    processes = [subprocess.Popen([sys.executable, "-c", COMPILE_BOTH], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(count)]
+    counters = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr[-3000:]
+        counters.append(json.loads(stdout.strip().splitlines()[-1]))
+    return counters
+
+
+def compile_in_new_process(cache_dir: str, **env_vars: str) -> dict[str, int]:
+    return compile_in_new_processes(cache_dir, **env_vars)[0]
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +104,14 @@ def test_second_process_hits_the_aot_autograd_cache(processes):
 def test_second_process_hits_the_fx_graph_cache(processes):
     warm = processes["warm_fx_only"]
     assert warm.get("fxgraph_cache_hit") == 4 and warm.get("fxgraph_cache_miss", 0) == 0, warm
+
+
+def test_two_processes_compiling_at_once_compile_each_graph_once(tmp_path):
+    """Like 2 ranks of a host: both start compiling the same 4 graphs together on an empty cache; for each graph one
+    compiles while the other waits on the graph's lock and then loads it (without the lock both compile all 4)."""
+    (tmp_path / "start").mkdir()
+    counters = compile_in_new_processes(str(tmp_path / "cache"), 2, START_TOGETHER=str(tmp_path / "start"))
+    assert sum(c.get("fxgraph_cache_miss", 0) for c in counters) == 4, counters
 
 
 

@@ -1,7 +1,12 @@
-"""Compiling a module in place, with Inductor's FX graph cache valid across processes and graph breaks named once."""
+"""Compiling a module in place, with Inductor's FX graph cache valid across processes, each graph compiled by one
+process of a host while the others wait for it and load it, and graph breaks named once."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import os
 import warnings
 from collections import Counter
 from typing import Any, Callable
@@ -9,8 +14,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
+from torch import _TorchCompileInductorWrapper  # private: torch.compile's Inductor backend, mode and options applied
 from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler  # private: AOTAutograd's key
+from torch._inductor import config as inductor_config
 from torch._inductor.codecache import FxGraphCachePickler  # private: the pickler of the FX graph cache key
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # private: Inductor's compile, per graph
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -38,8 +47,46 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
     # keeps one model's graphs (sync on and off, new shapes) from running another model eagerly past the limit.
     sharded_call.__code__ = sharded_call.__code__.replace()
 
+    if backend == "inductor":
+        options = dict(options)
+        backend = InductorOncePerHost(options.pop("mode", None), options.pop("options", None), options.get("dynamic"))
     compiled = torch.compile(sharded_call, backend=backend, **options)
     module._compiled_call_impl = _warn_on_graph_breaks(compiled, type(module).__name__)
+
+
+class InductorOncePerHost(_TorchCompileInductorWrapper):
+    """``torch.compile``'s Inductor backend (same mode and options), compiling each graph under a file lock keyed by
+    the graph: of the ranks of a host that compile the same graph at once, one compiles it and the others wait,
+    then load it from Inductor's FX graph cache, instead of all compiling it on the same cores. Ranks whose graphs
+    differ (uneven shards) hold different locks and compile side by side."""
+
+    def __call__(self, model_, inputs_, *, config_patches=None):
+        return compile_fx(model_, inputs_, inner_compile=compile_graph_once_per_host,
+                          config_patches={**self.config, **(config_patches or {})}, compile_region_name=self.name)
+
+
+def compile_graph_once_per_host(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """Inductor's ``compile_fx_inner`` under the lock of this graph (code, input shapes and strides, forward or
+    backward); a no-op wrapper where the FX graph cache is off, as nothing would be loaded."""
+    if not inductor_config.fx_graph_cache:
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+    inputs = [(tuple(x.shape), x.stride(), x.dtype) if isinstance(x, torch.Tensor) else _mesh_by_value(x)
+              for x in example_inputs]
+    key = hashlib.sha256(f"{gm.code}{inputs}{kwargs.get('is_backward')}".encode()).hexdigest()[:32]
+    with _file_lock(os.path.join(cache_dir(), "simplefsdp-compile-locks", key)):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+@contextlib.contextmanager
+def _file_lock(path: str):
+    """Hold an exclusive ``flock`` on ``path``; the kernel releases it if the process dies."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
 
 
 def key_caches_by_value() -> None:
@@ -58,10 +105,18 @@ _reduce_by_pickling = FxGraphCachePickler._reduce_fake_script_object
 _reduce_by_flattening = AOTAutogradCachePickler._reduce_tensor_subclass
 
 
-def _reduce_mesh_by_value(pickler: FxGraphCachePickler, fake: Any) -> tuple:
-    if isinstance(mesh := fake.real_obj, DeviceMesh):
+def _mesh_by_value(value: Any) -> Any:
+    """A graph input that is a (fake script object of a) ``DeviceMesh`` as a string of what it is; others as they
+    are."""
+    if isinstance(mesh := getattr(value, "real_obj", None), DeviceMesh):
         groups = [mesh.get_group(dim).group_name for dim in range(mesh.ndim)]
-        return str, (f"DeviceMesh {mesh._stable_hash()} groups {groups}",)
+        return f"DeviceMesh {mesh._stable_hash()} groups {groups}"
+    return value
+
+
+def _reduce_mesh_by_value(pickler: FxGraphCachePickler, fake: Any) -> tuple:
+    if isinstance(described := _mesh_by_value(fake), str):
+        return str, (described,)
     return _reduce_by_pickling(pickler, fake)
 
 
