@@ -103,7 +103,7 @@ def _local_ranks() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--nproc", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--lr", type=float, default=1e-3, help="the optimizer's learning rate")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     return parser
 
@@ -134,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a running torchft lighthouse, http://HOST:PORT (default: $TORCHFT_LIGHTHOUSE, else "
                               "one started locally)")
     command.add_argument("--max-restarts", type=int, default=3, help="with --fault-tolerant: restarts per group")
+    command.add_argument("--optimizer", default="adamw", choices=("adamw", "galore"),
+                         help="AdamW, or GaLore 2's low-rank projected AdamW on 2-D weights (simplefsdp.optim)")
+    command.add_argument("--galore-rank", type=int, default=None, metavar="R",
+                         help="with --optimizer galore: the subspace's rank (default: the model's dim / 4)")
+    command.add_argument("--galore-update-every", type=int, default=200, metavar="T",
+                         help="with --optimizer galore: steps between subspace refreshes (200)")
+    command.add_argument("--galore-shard-projector", action="store_true",
+                         help="with --optimizer galore: shard the projectors, all-gathered every step")
     command.set_defaults(run=train.run)
 
     command = commands.add_parser("inspect", help="trace a reference model at any world size and predict its step",

@@ -22,6 +22,7 @@ from simplefsdp.ir.hardware import cpu_profile
 from simplefsdp.mfu import peak_flops_per_second, step_flops
 from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.models.llama_tp import check_tensor_parallel, parallelize_llama
+from simplefsdp.optim import GaLoreAdamW, state_bytes
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -60,6 +61,20 @@ def check_arguments(args: argparse.Namespace) -> None:
         fail(reason)
     if args.tp != 1 and (reason := tensor_parallel_problem(args)):
         fail(reason)
+    if args.optimizer == "galore" and (reason := galore_problem(args)):
+        fail(reason)
+
+
+def galore_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--optimizer galore`` cannot run as asked (with the fix), or None."""
+    if args.galore_rank is not None and args.galore_rank < 1 or args.galore_update_every < 1:
+        return "--galore-rank and --galore-update-every must be at least 1"
+    if args.tp != 1:
+        return "--optimizer galore projects gradients' columns, which --tp shards; train with --optimizer adamw"
+    if args.fault_tolerant:
+        return ("--optimizer galore does not combine with --fault-tolerant yet (a healing group would need the "
+                "projectors); train with --optimizer adamw")
+    return None
 
 
 def tensor_parallel_problem(args: argparse.Namespace) -> str | None:
@@ -142,6 +157,16 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     return model
 
 
+def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """``--optimizer``: fused AdamW (one kernel per step instead of a dozen foreach ops, each paying DTensor's
+    dispatch: torchtitan's default), or GaLoreAdamW at ``--galore-rank`` (the model's dim / 4 by default)."""
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+    rank = args.galore_rank or get_config(args.model).dim // 4
+    return GaLoreAdamW(model.parameters(), lr=args.lr, rank=rank, update_every=args.galore_update_every,
+                       seed=args.seed, shard_projector=args.galore_shard_projector)
+
+
 def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``, computed in fp32."""
     logits = model(batch[:, :-1])
@@ -155,8 +180,7 @@ def train(args: argparse.Namespace) -> None:
     model = build(args)
     dp_rank, dp_world = rank // args.tp, world // args.tp  # a tensor-parallel group trains one batch
     num_params = sum(p.numel() for p in model.parameters())
-    # fused: one kernel per step instead of a dozen foreach ops, each paying DTensor's dispatch (torchtitan's default)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+    optimizer = build_optimizer(args, model)
     replicas = ReplicaGroup(model, optimizer, args.replica_group, args.replica_groups, args.lighthouse) \
         if args.fault_tolerant else None
     data_rank, data_world = ((args.replica_group * world + rank, args.replica_groups * world) if replicas
@@ -230,7 +254,7 @@ def train(args: argparse.Namespace) -> None:
         begin = time.perf_counter()
 
     if step_times:
-        summarize(say, args, trained[0] - 1, losses, step_times, mfus, tokens_per_step, world)
+        summarize(say, args, trained[0] - 1, losses, step_times, mfus, tokens_per_step, world, optimizer)
         if replicas:
             say(f"group {args.replica_group}: rank 0's parameter checksum {replicas.checksum()}")
         if args.plot and rank == 0:
@@ -241,11 +265,13 @@ def train(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def summarize(say, args, start, losses, step_times, mfus, tokens_per_step, world) -> None:
-    """Rank 0's closing line: loss change, compile time, median step time, throughput, MFU and memory."""
+def summarize(say, args, start, losses, step_times, mfus, tokens_per_step, world, optimizer) -> None:
+    """Rank 0's closing lines: loss change, compile time, median step time, throughput, MFU and memory; the
+    optimizer's state bytes on this rank."""
     steady = slice(1, None) if len(step_times) > 1 else slice(None)
     median = statistics.median(step_times[steady])
     say(f"summary: loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start + 1}-{args.steps}; first step "
         f"{step_times[0]:.1f} s; median step {median:.3f} s; {tokens_per_step / median:,.0f} tok/s total, "
         f"{tokens_per_step / world / median:,.0f} tok/s per rank; MFU {statistics.median(mfus[steady]):.2%}; "
         f"peak RSS rank 0 {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB")
+    say(f"optimizer state bytes per rank: {state_bytes(optimizer)}")
