@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils._pytree import tree_flatten
 
 from simplefsdp.cli import main
+from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.runtime.checkpoint import checkpoint_path, latest_checkpoint
 
 FAULT_INJECTION = Path(__file__).parent / "fault_injection"
@@ -82,7 +83,10 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_which_resumes_exac
     resumed = train("--steps", "4", "--checkpoint-dir", str(killed), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "at step 2" in resumed.stdout and "step    3/4" in resumed.stdout
-    assert train("--steps", "4", "--checkpoint-dir", str(straight)).returncode == 0
+    straight_job = train("--steps", "4", "--checkpoint-dir", str(straight))
+    assert straight_job.returncode == 0, straight_job.stderr
+    rank = get_config("debug").dim // 4
+    assert f"optimizer state bytes per rank: {expected_state_bytes('adamw', rank)}\n" in straight_job.stdout
 
     expected, expected_structure = tree_flatten(_load_full(checkpoint_path(straight, 4), tmp_path))
     actual, actual_structure = tree_flatten(_load_full(checkpoint_path(killed, 4), tmp_path))
@@ -90,6 +94,25 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_which_resumes_exac
     assert sum(isinstance(value, torch.Tensor) for value in expected) > 3 * 21  # parameters and AdamW moments
     for index, (want, got) in enumerate(zip(expected, actual)):
         assert torch.equal(want, got) if isinstance(want, torch.Tensor) else want == got, index
+
+
+def expected_state_bytes(optimizer: str, rank: int) -> int:
+    """Rank 0's optimizer state on 2 ranks for the debug Llama, from its shapes: rank 0 holds ceil(rows / 2) of
+    each parameter; a step counter (fp32 scalar) per parameter; AdamW keeps two fp32 moments of its shard, GaLore
+    two of rows x rank and the replicated n x rank projector for 2-D weights whose smaller side exceeds the rank,
+    where that is less than AdamW's two moments."""
+    total = 0
+    for parameter in build_model("debug").parameters():
+        rows = -(-parameter.shape[0] // 2)
+        local_numel = rows * parameter[0].numel()
+        galore = 4 * (2 * rows * rank + parameter.shape[-1] * rank)
+        projected = parameter.ndim == 2 and min(parameter.shape) > rank and galore < 8 * local_numel
+        if optimizer == "galore" and projected:
+            total += galore
+        else:
+            total += 4 * 2 * local_numel
+        total += 4
+    return total
 
 
 def _losses_and_norms(job: subprocess.CompletedProcess) -> dict[int, tuple[float, float]]:
