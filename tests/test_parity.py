@@ -21,14 +21,13 @@ PASSES_OFF = {**INDUCTOR, "buckets": None, "reorder": False}
 KEEP_UNSHARDED = {"reshard_after_forward": False}
 ADAMW = {"optimizer": "adamw"}  # bitwise checks only: see scenarios.py
 MANUAL_PLAN = [["tok_embeddings"], ["layers.0", "layers.1"], ["norm", "output"]]
-# Passes on, each bucket mode with reorder on and off, resharding on and off (compile_sharded's default is
-# buckets="auto", reorder=True, so "fully_shard-inductor" and "...-keep-unsharded" are the auto jobs).
+# Passes on: each bucket mode, reorder on and off, resharding on and off, each in some job (compile_sharded's default
+# is buckets="auto", reorder=True, so "fully_shard-inductor" and "...-keep-unsharded" are the auto jobs).
 # The passes only move and merge collectives: every step's gradients must be bitwise those without them.
 PASS_JOBS = {
     "fully_shard-inductor": "passes-off-inductor",
     "fully_shard-inductor-keep-unsharded": "passes-off-inductor-keep-unsharded",
     "block-inductor": "passes-off-inductor",
-    "block-no-reorder-inductor-keep-unsharded": "passes-off-inductor-keep-unsharded",
     "manual-no-reorder-inductor": "passes-off-inductor",
     "no-buckets-reorder-inductor-keep-unsharded": "passes-off-inductor-keep-unsharded",
     "linear_7x5-inductor": "linear_7x5-passes-off-inductor",  # uneven shards: 5 rows over 2 ranks, padded
@@ -42,8 +41,6 @@ TWO_RANK_JOBS = {
     "passes-off-inductor": ("llama", "simplefsdp", PASSES_OFF),
     "passes-off-inductor-keep-unsharded": ("llama", "simplefsdp", {**PASSES_OFF, **KEEP_UNSHARDED}),
     "block-inductor": ("llama", "simplefsdp", {**INDUCTOR, "buckets": "block"}),
-    "block-no-reorder-inductor-keep-unsharded": (
-        "llama", "simplefsdp", {**INDUCTOR, **KEEP_UNSHARDED, "buckets": "block", "reorder": False}),
     "manual-no-reorder-inductor": ("llama", "simplefsdp", {**INDUCTOR, "buckets": MANUAL_PLAN, "reorder": False}),
     "no-buckets-reorder-inductor-keep-unsharded": ("llama", "simplefsdp", {**INDUCTOR, **KEEP_UNSHARDED, "buckets": None}),
     "replicate-eager": ("llama", "simplefsdp", {**EAGER, "mode": "replicate"}),
