@@ -1,7 +1,7 @@
 """Set up the project's virtual environment (once) and run the demo or the tests.
 
     python3 dev.py demo [train options]   # 2-rank training run of cpu-small
-    python3 dev.py test [pytest options]  # the whole test suite
+    python3 dev.py test [pytest options]  # the whole test suite, on 2 pytest-xdist workers
 
 Needs only Python >= 3.10. The environment lives in .venv; a second run skips
 the install unless pyproject.toml changed. torch is pinned to 2.13.0 here so
@@ -48,7 +48,8 @@ def main() -> int:
     if command == "demo":
         args = ["-m", "simplefsdp", "train", "--model", "cpu-small", "--nproc", "2", "--steps", "30", *extra]
     else:
-        args = ["-m", "pytest", *(extra or ["-q"])]
+        # two workers, a file each at a time, longest files first (tests/conftest.py): the suite is CPU-bound
+        args = ["-m", "pytest", *(extra or ["-q", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"])]
     return subprocess.run([str(PYTHON), *args], cwd=ROOT, env=os.environ).returncode
 
 
