@@ -88,12 +88,18 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_which_resumes_exac
     rank = get_config("debug").dim // 4
     assert f"optimizer state bytes per rank: {expected_state_bytes('adamw', rank)}\n" in straight_job.stdout
 
-    expected, expected_structure = tree_flatten(_load_full(checkpoint_path(straight, 4), tmp_path))
-    actual, actual_structure = tree_flatten(_load_full(checkpoint_path(killed, 4), tmp_path))
-    assert expected_structure == actual_structure
+    expected = assert_same_checkpoint(checkpoint_path(straight, 4), checkpoint_path(killed, 4), tmp_path)
     assert sum(isinstance(value, torch.Tensor) for value in expected) > 3 * 21  # parameters and AdamW moments
+
+
+def assert_same_checkpoint(expected_path: Path, actual_path: Path, tmp_path: Path) -> list:
+    """Assert two DCP checkpoints hold the same structure and bytes; return the expected one's leaves."""
+    expected, expected_structure = tree_flatten(_load_full(expected_path, tmp_path))
+    actual, actual_structure = tree_flatten(_load_full(actual_path, tmp_path))
+    assert expected_structure == actual_structure
     for index, (want, got) in enumerate(zip(expected, actual)):
         assert torch.equal(want, got) if isinstance(want, torch.Tensor) else want == got, index
+    return expected
 
 
 def expected_state_bytes(optimizer: str, rank: int) -> int:
