@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from simplefsdp.models.llama import get_config
 from simplefsdp.optim import GaLoreAdamW, top_right_singular_vectors
+from simplefsdp.optim.galore import refresh_seed
 from simplefsdp.runtime.checkpoint import checkpoint_path
 
 RANK, UPDATE_EVERY, STEPS = 4, 2, 3  # refreshes at steps 1 and 3
@@ -45,7 +46,7 @@ def reference_galore() -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Te
             projected = grad.ndim == 2 and min(grad.shape) > RANK
             if projected and (step - 1) % UPDATE_EVERY == 0:
                 projectors.setdefault(name, []).append(top_right_singular_vectors(
-                    grad, RANK, seed=HYPER["seed"] * 1_000_003 + step * 1_009 + index))
+                    grad, RANK, seed=refresh_seed(HYPER["seed"], step, index)))
             q = projectors[name][-1] if projected else None
             r = grad @ q if projected else grad
             m, v = moments.get(name, (torch.zeros_like(r), torch.zeros_like(r)))

@@ -29,14 +29,9 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def like_parameter(parameter: torch.Tensor, local_state: torch.Tensor, columns: int) -> torch.Tensor:
-    """``local_state`` (this rank's rows x ``columns``) as a tensor sharded like ``parameter``'s rows, so that a DCP
-    checkpoint saves every rank's rows and reshards them on load."""
-    if not isinstance(parameter, DTensor):
-        return local_state
-    shape = (parameter.shape[0], columns)
-    return DTensor.from_local(local_state, parameter.device_mesh, parameter.placements, run_check=False,
-                              shape=shape, stride=(columns, 1))
+def refresh_seed(seed: int, step: int, index: int) -> int:
+    """The sketch's seed for the ``index``-th parameter (from 1, in parameter-group order) refreshed at ``step``."""
+    return seed * 1_000_003 + step * 1_009 + index
 
 
 def top_right_singular_vectors(gradient: torch.Tensor, rank: int, seed: int, power_iterations: int = 2) -> torch.Tensor:
@@ -101,13 +96,14 @@ class GaLoreAdamW(torch.optim.Optimizer):
         gradient = local(parameter.grad)
         if projected and (step - 1) % group["update_every"] == 0:
             full = parameter.grad.full_tensor() if isinstance(parameter.grad, DTensor) else parameter.grad
-            projector = top_right_singular_vectors(full, rank, seed=group["seed"] * 1_000_003 + step * 1_009 + index)
+            projector = top_right_singular_vectors(full, rank, seed=refresh_seed(group["seed"], step, index))
             state["projector"] = (distribute_tensor(projector, parameter.device_mesh, parameter.placements,
                                                     src_data_rank=None)
                                   if group["shard_projector"] and isinstance(parameter, DTensor) else projector)
-        if projected:
+        elif projected:
             projector = state["projector"]
             projector = projector.full_tensor() if isinstance(projector, DTensor) else projector
+        if projected:
             gradient = gradient @ projector
         beta1, beta2 = group["betas"]
         exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
@@ -142,9 +138,12 @@ def zeros_like_rows(parameter: torch.Tensor, columns: int | None) -> torch.Tenso
     """Zero moments: like ``parameter``, or its rows x ``columns`` sharded like its rows."""
     if columns is None:
         return torch.zeros_like(parameter)
-    rows = local(parameter).shape[0]
-    return like_parameter(parameter, torch.zeros(rows, columns, dtype=parameter.dtype, device=parameter.device),
-                          columns)
+    rows = torch.zeros(local(parameter).shape[0], columns, dtype=parameter.dtype, device=parameter.device)
+    if not isinstance(parameter, DTensor):
+        return rows
+    # a DTensor sharded like the weight's rows, so that a DCP checkpoint saves every rank's rows and reshards them
+    return DTensor.from_local(rows, parameter.device_mesh, parameter.placements, run_check=False,
+                              shape=(parameter.shape[0], columns), stride=(columns, 1))
 
 
 def check_placements(parameter: torch.Tensor) -> None:
