@@ -1,0 +1,181 @@
+"""``--replica-sync demo`` and ``diloco``: their arithmetic in one process, against references built without their
+code (a momentum made of DCT basis functions written out with ``math.cos``; torch's own Nesterov SGD); then across
+two real replica groups of one gloo rank (``test_fault_tolerance``'s setup): what agrees, the bytes, healing and
+resuming."""
+
+from __future__ import annotations
+
+import math
+import platform
+import re
+import shutil
+
+import pytest
+import torch
+
+from test_train_cli import assert_same_checkpoint, train
+from simplefsdp.models.llama import build_model
+from simplefsdp.optim import DeMo, DiLoCo
+from simplefsdp.optim.demo import largest_divisor
+from simplefsdp.runtime.checkpoint import checkpoint_path
+
+SYNC = {"demo": ["--replica-sync", "demo"], "diloco": ["--replica-sync", "diloco", "--sync-every", "4"]}
+torchft_wheels = pytest.mark.skipif(platform.machine() != "x86_64", reason="torchft 0.2.0 publishes x86-64 wheels only")
+
+EPS = 2.0**-24  # fp32's unit roundoff
+
+
+def basis_function(size: int, i: int, j: int) -> torch.Tensor:
+    """The orthonormal 2-D DCT-II basis function of frequencies (i, j) on a size x size chunk, in float64."""
+    def vector(k: int) -> list[float]:
+        scale = math.sqrt((1 if k == 0 else 2) / size)
+        return [scale * math.cos(math.pi * (n + 0.5) * k / size) for n in range(size)]
+    return torch.tensor(vector(i), dtype=torch.float64)[:, None] * torch.tensor(vector(j), dtype=torch.float64)
+
+
+class TwoGroups:
+    """The collectives of group ``index`` of two, whose peer sends ``peer_payload``; records what this group sends."""
+
+    def __init__(self, index: int, peer_payload: torch.Tensor | None) -> None:
+        self.index, self.peer_payload, self.sent = index, peer_payload, None
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.sent = tensor.clone()
+        peer = self.peer_payload if self.peer_payload is not None else torch.zeros_like(tensor)
+        return [tensor, peer] if self.index == 0 else [peer, tensor]
+
+
+def test_one_demo_exchange_against_a_hand_computed_reference():
+    # An 8 x 8 weight in four 4 x 4 chunks; lr 1 and decay 0, so the momentum is the gradient. Chunk (0, 0) of group
+    # 0's gradient is 3 phi(1,2) + 2 phi(0,3), of group 1's 1 phi(1,2) - 4 phi(3,3); the other chunks are zero. With
+    # top_k 2 each group sends exactly its two components, and the decoded mean (at each coefficient, the mean of
+    # the groups that sent it) is 2 phi(1,2) + 2 phi(0,3) - 4 phi(3,3).
+    size, chunk = 8, 4
+    amplitudes = [{(1, 2): 3.0, (0, 3): 2.0}, {(1, 2): 1.0, (3, 3): -4.0}]
+    gradients = [torch.zeros(size, size, dtype=torch.float64) for _ in amplitudes]
+    for gradient, components in zip(gradients, amplitudes):
+        for (i, j), amplitude in components.items():
+            gradient[:chunk, :chunk] += amplitude * basis_function(chunk, i, j)
+    mean = torch.zeros(size, size, dtype=torch.float64)
+    mean[:chunk, :chunk] = 2 * basis_function(chunk, 1, 2) + 2 * basis_function(chunk, 0, 3) \
+        - 4 * basis_function(chunk, 3, 3)
+
+    def exchange(index: int, peer_payload: torch.Tensor | None):
+        weight = torch.nn.Parameter(torch.zeros(size, size))
+        weight.grad = gradients[index].float()
+        optimizer = DeMo([weight], lr=1.0, chunk=chunk, top_k=2, decay=0.0)
+        collectives = TwoGroups(index, peer_payload)
+        optimizer.exchange(collectives)
+        optimizer.step()
+        return weight.detach(), optimizer.state[weight]["delta"], collectives.sent
+
+    payloads = [exchange(index, None)[2] for index in (0, 1)]
+    (weight_0, residual_0, _), (weight_1, residual_1, _) = (exchange(index, payloads[1 - index]) for index in (0, 1))
+
+    # Each coefficient is a 16-term sum of basis x momentum x basis products, contracted in two stages of 4 terms
+    # (a rounding of at most 4 EPS relative to each stage's sum of magnitudes, gamma_4), over a basis rounded to fp32
+    # (EPS relative) and a momentum rounded to fp32 (EPS): at most (2 * 4 + 3) EPS times the sum of magnitudes,
+    # which is at most 16 * max|basis|^2 * max|momentum| (max|basis| = sqrt(2/4), |momentum| <= 5 * 1/2). Decoding is
+    # the same arithmetic over coefficients of magnitude <= 4.
+    magnitudes = 16 * 0.5 * max(g.abs().max().item() for g in gradients)
+    bound = (2 * 4 + 3) * EPS * 16 * 0.5 * 4 + (2 * 4 + 3) * EPS * magnitudes
+    sent_positions = payloads[0][:2 * 4 * 2].view(torch.int16).view(4, 2)  # 4 chunks x top 2, int16, first
+    assert set(sent_positions[0].tolist()) == {1 * chunk + 2, 0 * chunk + 3}
+    for residual in (residual_0, residual_1):  # the sent components left the momentum: nothing is left in chunk 0
+        assert residual.abs().max().item() <= 2 * bound
+    # Both groups apply the same update, bit for bit: sign(decoded mean), where that is 0 in the zero chunks.
+    assert torch.equal(weight_0, weight_1)
+    clear = mean.abs() > 2 * bound
+    assert clear.sum() >= 12 and torch.equal(weight_0[clear], -torch.sign(mean[clear]).float())
+    assert torch.equal(weight_0[chunk:, :], torch.zeros(size - chunk, size))
+    assert torch.equal(weight_0[:, chunk:], torch.zeros(size, size - chunk))
+
+
+class PeerAverage:
+    """The collectives of one of two groups, the other's pseudo-gradient ``peer``; the mean as torchft computes it."""
+
+    def __init__(self, peer: torch.Tensor) -> None:
+        self.peer = peer
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.add_(self.peer).div_(2)
+
+
+def test_diloco_is_adamw_inside_and_torch_nesterov_sgd_on_the_mean_pseudo_gradient_outside():
+    torch.manual_seed(0)
+    weight, reference = (torch.nn.Parameter(torch.randn(6, 5)) for _ in range(2))
+    reference.data.copy_(weight.data)
+    diloco = DiLoCo([weight], lr=0.1, sync_every=2, outer_lr=0.7, outer_momentum=0.9)
+    inner = torch.optim.AdamW([reference], lr=0.1)
+    anchor = torch.nn.Parameter(reference.detach().clone())
+    outer = torch.optim.SGD([anchor], lr=0.7, momentum=0.9, nesterov=True, foreach=False)
+    for step in range(1, 7):
+        gradient = torch.randn(6, 5)
+        weight.grad, reference.grad = gradient.clone(), gradient.clone()
+        peer = torch.randn(6, 5).reshape(-1)
+        diloco.exchange(PeerAverage(peer.clone()), step)
+        diloco.step()
+        inner.step()
+        if step % 2 == 0:  # the outer step: torch's Nesterov SGD on the anchor, with the groups' mean as gradient
+            anchor.grad = ((anchor.detach() - reference.detach()).reshape(-1) + peer).div(2).view(6, 5)
+            outer.step()
+            reference.data.copy_(anchor.data)
+        assert torch.equal(weight, reference), step
+
+
+def demo_bytes(model: torch.nn.Module, chunk: int = 64, top_k: int = 32) -> int:
+    """What DeMo sends per step from one whole copy of ``model``: per chunk of each parameter (as 2-D, sides the
+    largest divisors <= ``chunk``), ``top_k`` fp32 values and int16 positions."""
+    total = 0
+    for param in model.parameters():
+        rows, columns = (param.shape[0], param[0].numel()) if param.dim() > 1 else (1, param.numel())
+        h, w = largest_divisor(rows, chunk), largest_divisor(columns, chunk)
+        total += param.numel() // (h * w) * min(top_k, h * w) * (4 + 2)
+    return total
+
+
+@torchft_wheels
+@pytest.mark.parametrize("mode", SYNC)
+def test_semi_synchronous_groups_agree_where_the_mode_says_count_their_bytes_and_resume_bitwise(mode, tmp_path):
+    """demo: every group applies the same decoded update, so parameters are equal at every step; diloco (H = 4):
+    equal after each outer step, apart between. Each group checkpoints its own state and resumes bitwise."""
+    from test_fault_tolerance import GROUPS, checksums, steps  # skips its module where torchft has no wheels
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    job = train(*GROUPS, *SYNC[mode], "--steps", "8", "--checkpoint-dir", str(straight), "--checkpoint-every", "4")
+    assert job.returncode == 0, job.stderr[-3000:]
+    sent = {(int(step), int(group)): int(count.replace(",", "")) for step, count, group in re.findall(
+        r"^step +(\d+)/8 .*  cross-group ([\d,]+) B.*  group (\d) replicas 2/2$", job.stdout, re.M)}
+    assert sorted(sent) == [(step, group) for step in range(1, 9) for group in (0, 1)]
+    numel = sum(p.numel() for p in build_model("debug").parameters())
+    # A ring all-reduce of n bytes over 2 sends n; an all-gather over 2 sends each one's own payload once.
+    per_step = {step: (4 * numel if step % 4 == 0 else 0) if mode == "diloco" else demo_bytes(build_model("debug"))
+                for step in range(1, 9)}
+    assert sent == {(step, group): per_step[step] for step, group in sent}
+    mean = round(sum(per_step.values()) / 8)
+    assert re.findall(r"^cross-group bytes per step: (\d+)$", job.stdout, re.M) == [str(mean)] * 2
+    outer = re.findall(r"^step +(\d+)/8 .*  outer step, checksum (\w+)  group (\d)", job.stdout, re.M)
+    if mode == "diloco":
+        assert sorted((int(step), int(group)) for step, _, group in outer) == [(4, 0), (4, 1), (8, 0), (8, 1)]
+        assert all(len({value for s, value, _ in outer if s == step}) == 1 for step in ("4", "8"))
+    assert len(set(checksums(job.stdout).values())) == 1
+    # The groups train on different batches: their losses differ (after step 1, from different parameters in diloco).
+    assert [loss for _, loss, *_ in steps(job.stdout, 0)] != [loss for _, loss, *_ in steps(job.stdout, 1)]
+
+    for group in (0, 1):
+        shutil.copytree(checkpoint_path(straight / f"group-{group}", 4), checkpoint_path(resumed / f"group-{group}", 4))
+    again = train(*GROUPS, *SYNC[mode], "--steps", "8", "--checkpoint-dir", str(resumed), "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("resumed from") == 2 and "step    4/8" not in again.stdout
+    for group in (0, 1):
+        assert_same_checkpoint(checkpoint_path(straight / f"group-{group}", 8),
+                               checkpoint_path(resumed / f"group-{group}", 8), tmp_path)
+
+
+@torchft_wheels
+@pytest.mark.parametrize("mode", SYNC)
+def test_a_group_killed_mid_run_heals_with_the_mode_s_state(mode):
+    """The healed group copies the survivor's optimizer state too: diloco's next outer step lands on the same bits
+    in both groups only if the healed one got the survivor's anchors and outer momentum (60 is a multiple of 4)."""
+    from test_fault_tolerance import assert_a_killed_group_heals
+
+    assert_a_killed_group_heals(*SYNC[mode])
