@@ -16,6 +16,7 @@ from simplefsdp.bench.contenders import CONTENDER_NAMES
 from simplefsdp.ir.hardware import PROFILE_NAMES
 from simplefsdp.models.llama import CONFIGS
 from simplefsdp.runtime.activation_checkpoint import AC_MODES
+from simplefsdp.runtime.fault_tolerance import SYNC_MODES
 from simplefsdp.runtime.mesh import MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,12 +109,26 @@ def _local_ranks() -> argparse.ArgumentParser:
     return parser
 
 
+def _replica_sync() -> argparse.ArgumentParser:
+    """What crosses replica groups (``train --fault-tolerant``, ``inspect --replica-groups``)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--replica-sync", default="step", choices=SYNC_MODES,
+                        help="between replica groups: average gradients every step (step), exchange DeMo's top "
+                             "momentum components every step with sign-SGD (demo, FlexDeMo), or average "
+                             "pseudo-gradients every --sync-every steps of AdamW (diloco)")
+    parser.add_argument("--sync-every", type=int, default=32, metavar="H", help="with diloco: inner steps per outer (32)")
+    parser.add_argument("--demo-chunk", type=int, default=64, help="with demo: the DCT chunk's side (64, DeMo's)")
+    parser.add_argument("--demo-top-k", type=int, default=32, help="with demo: components sent per chunk (32, DeMo's)")
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="simplefsdp", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     command = commands.add_parser("train", help="train a reference model on local ranks", parents=[
-        _workload("cpu-small", 4, 128, (None, None)), _sharding(), _accumulation(), _local_ranks()])
+        _workload("cpu-small", 4, 128, (None, None)), _sharding(), _accumulation(), _local_ranks(),
+        _replica_sync()])
     command.add_argument("--steps", type=int, default=20, help="train until this step (counting resumed steps)")
     command.add_argument("--variable-seq-len", action="store_true",
                          help="each step draws its sequence length in [seq-len/2, seq-len] from --seed")
@@ -134,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a running torchft lighthouse, http://HOST:PORT (default: $TORCHFT_LIGHTHOUSE, else "
                               "one started locally)")
     command.add_argument("--max-restarts", type=int, default=3, help="with --fault-tolerant: restarts per group")
+    command.add_argument("--outer-lr", type=float, default=0.7, help="with diloco: the outer Nesterov SGD's lr (0.7)")
+    command.add_argument("--outer-momentum", type=float, default=0.9, help="with diloco: its momentum (0.9)")
     command.add_argument("--optimizer", default="adamw", choices=("adamw", "galore"),
                          help="AdamW, or GaLore 2's low-rank projected AdamW on 2-D weights (simplefsdp.optim)")
     command.add_argument("--galore-rank", type=int, default=None, metavar="R",
@@ -145,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     command.set_defaults(run=train.run)
 
     command = commands.add_parser("inspect", help="trace a reference model at any world size and predict its step",
-                                  parents=[_workload("llama3-8b", 1, None, (torch.bfloat16, torch.float32)), _sharding()])
+                                  parents=[_workload("llama3-8b", 1, None, (torch.bfloat16, torch.float32)), _sharding(),
+                                           _replica_sync()])
     command.add_argument("--world-size", type=int, default=8, help="ranks to shard over (traced in this process)")
     command.add_argument("--rank", type=int, default=0, help="the rank of the world whose graphs are traced")
     command.add_argument("--dynamic", action="store_true", help="trace batch and sequence sizes as symbols")

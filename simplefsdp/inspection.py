@@ -25,10 +25,11 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from simplefsdp import plots
 from simplefsdp.api import compile_sharded
-from simplefsdp.ir.cost_model import collective_seconds, wire_bytes
+from simplefsdp.ir.cost_model import wire_bytes
 from simplefsdp.ir.capture import TraceError, capture_graphs
 from simplefsdp.ir.hardware import HardwareProfile, get_profile
 from simplefsdp.ir.render import chrome_trace, stage_table, text_summary
+from simplefsdp.ir.replica_sync import replica_sync_price
 from simplefsdp.ir.schedule import Schedule
 from simplefsdp.ir.simulator import Prediction, simulate
 from simplefsdp.models.llama import Llama, build_model, get_config
@@ -74,7 +75,7 @@ class InspectReport:
     stages: list[InspectStage]
     hardware: HardwareProfile
     tokens: int
-    fault_tolerant: dict | None = None  # the cross-replica all-reduce after backward, with ``replica_groups`` > 1
+    fault_tolerant: dict | None = None  # what crosses replica groups (``ir/replica_sync.py``), ``replica_groups`` > 1
 
     @property
     def final(self) -> InspectStage:
@@ -117,9 +118,10 @@ class InspectReport:
         table = stage_table(self.stage_records())
         final = text_summary(f"{self.final.name} graphs (what runs)", self.schedules, self.prediction, self.hardware)
         if ft := self.fault_tolerant:
-            table += (f"fault-tolerant: {ft['replica_groups']} replica groups average {ft['all_reduce_bytes'] / 2**20:.1f}"
-                      f" MiB of gradient shards per rank after backward (torchft, not overlapped): "
-                      f"{ft['all_reduce_seconds'] * 1e3:.3f} ms; step {ft['step_seconds'] * 1e3:.3f} ms\n")
+            table += (f"fault-tolerant: {ft['replica_groups']} replica groups, --replica-sync {ft['replica_sync']}: "
+                      f"{ft['exchange_bytes'] / 2**20:.2f} MiB exchanged per rank every {ft['exchange_every']} step(s)"
+                      f" (torchft, not overlapped): {ft['exchange_seconds'] * 1e3:.3f} ms; cross-group bytes per step "
+                      f"{ft['bytes_per_step']:,.0f}; step {ft['step_seconds'] * 1e3:.3f} ms\n")
         return f"{self.title}\n{self.symbolic_sizes()}{table}\n{self.plans()}\n{final}"
 
     def symbolic_sizes(self) -> str:
@@ -186,6 +188,7 @@ def inspect(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     quantize: Quantize | None = None,
     replica_groups: int = 1,
+    replica_sync: dict | None = None,
     device: str | None = None,
     tp: int = 1,
     tp_plan: dict[str, ParallelStyle] | None = None,
@@ -203,8 +206,8 @@ def inspect(
     sizes.
     ``activation_checkpointing`` (``none``, ``selective``, ``full``) checkpoints each of ``model.layers`` as ``train``.
     ``loss_fn(output, *example_inputs)``, when given, is traced after the model, so the step includes its loss.
-    ``replica_groups`` > 1 prices ``train --fault-tolerant``: that many groups of ``world_size`` ranks, whose gradient
-    shards are averaged across groups after backward. ``tp`` > 1 prices FSDP x TP on a ``(world_size // tp, tp)``
+    ``replica_groups`` > 1 prices ``train --fault-tolerant``: that many groups of ``world_size`` ranks exchanging
+    after backward as ``replica_sync`` says (``replica_sync_price``'s keywords; default: averaging gradient shards). ``tp`` > 1 prices FSDP x TP on a ``(world_size // tp, tp)``
     mesh: ``parallelize_module`` with ``tp_plan`` (default: the reference Llama's, ``models/llama_tp.py``) over tp,
     then ``fully_shard`` over dp.
     """
@@ -244,7 +247,7 @@ def inspect(
         # The captured graphs are ours: the passes rewrite them in place, and each stage keeps its schedule.
         forward_stages = list(passes.stages(graphs.forward, "forward", graphs.param_fqns))
         backward_stages = list(passes.stages(graphs.backward, "backward", graphs.param_fqns))
-        grad_bytes = sum(p.to_local().numel() * p.element_size() for p in copy_model.parameters() if p.requires_grad)
+        shards = [p.to_local() for p in copy_model.parameters() if p.requires_grad]
     compute_dtype = mp_policy.param_dtype or next(model.parameters(), torch.empty(0)).dtype
     stages = [
         InspectStage(forward.name, forward.schedule, backward.schedule, forward.plan, backward.plan,
@@ -255,10 +258,8 @@ def inspect(
                       f"{f', rank {rank}' if rank else ''}), hardware {profile.name}")
     fault_tolerant = None
     if replica_groups > 1:
-        seconds = collective_seconds("all_reduce", grad_bytes, tuple(range(0, replica_groups * world_size, world_size)),
-                                     profile)
-        fault_tolerant = dict(replica_groups=replica_groups, all_reduce_bytes=grad_bytes, all_reduce_seconds=seconds,
-                              step_seconds=stages[-1].prediction.step_time + seconds)
+        fault_tolerant = replica_sync_price(shards, replica_groups, world_size, profile, **(replica_sync or {}))
+        fault_tolerant["step_seconds"] = stages[-1].prediction.step_time + fault_tolerant["seconds_per_step"]
     # the ranks of a tensor-parallel group compute on the same tokens
     return InspectReport(title, stages, profile, _tokens(example_inputs) // tp, fault_tolerant)
 
@@ -367,7 +368,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
             activation_checkpointing=args.activation_checkpointing, loss_fn=_next_token_loss,
             quantize=quantize_option(args),
-            replica_groups=args.replica_groups, device=device, tp=args.tp)
+            replica_groups=args.replica_groups, device=device, tp=args.tp, replica_sync=dict(
+                sync=args.replica_sync, sync_every=args.sync_every, chunk=args.demo_chunk, top_k=args.demo_top_k))
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None
     print(report.summary(), end="")

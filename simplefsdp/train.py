@@ -22,7 +22,7 @@ from simplefsdp.ir.hardware import cpu_profile
 from simplefsdp.mfu import peak_flops_per_second, step_flops
 from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.models.llama_tp import check_tensor_parallel, parallelize_llama
-from simplefsdp.optim import GaLoreAdamW, state_bytes
+from simplefsdp.optim import DeMo, DiLoCo, GaLoreAdamW, state_bytes
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -48,8 +48,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         fail(f"--max-norm must be positive, got {args.max_norm}; leave it out to train without clipping")
     if args.resume and args.checkpoint_dir is None:
         fail("--resume needs --checkpoint-dir DIR, the directory the earlier run saved into")
-    if args.resume and latest_checkpoint(args.checkpoint_dir) is None:
-        fail(f"--resume: no checkpoint to resume from in {args.checkpoint_dir} "
+    if args.resume and latest_checkpoint(checkpoint_root(args)) is None:
+        fail(f"--resume: no checkpoint to resume from in {checkpoint_root(args)} "
              "(the directory does not exist or holds no complete step-* checkpoint)")
     try:
         check_pass_options(None, args.buckets, args.reorder, args.prefetch, args.memory_budget)
@@ -59,10 +59,21 @@ def check_arguments(args: argparse.Namespace) -> None:
         fail(f"--plot {args.plot}: {reason}")
     if args.fault_tolerant and (reason := fault_tolerant_problem(args)):
         fail(reason)
+    if args.replica_sync != "step" and not args.fault_tolerant:
+        fail(f"--replica-sync {args.replica_sync} is what crosses replica groups: add --fault-tolerant")
     if args.tp != 1 and (reason := tensor_parallel_problem(args)):
         fail(reason)
     if args.optimizer == "galore" and (reason := galore_problem(args)):
         fail(reason)
+
+
+def checkpoint_root(args: argparse.Namespace) -> str | None:
+    """Where this rank's checkpoints go: ``--checkpoint-dir``, written by replica group 0 alone; or, where every
+    group keeps state of its own (``--replica-sync`` demo: its momentum, diloco: its inner AdamW's), each group's
+    ``group-G`` folder in it, written by that group."""
+    if args.checkpoint_dir and args.fault_tolerant and args.replica_sync != "step":
+        return os.path.join(args.checkpoint_dir, f"group-{args.replica_group or 0}")
+    return args.checkpoint_dir
 
 
 def galore_problem(args: argparse.Namespace) -> str | None:
@@ -98,6 +109,12 @@ def fault_tolerant_problem(args: argparse.Namespace) -> str | None:
         return f"--fault-tolerant runs fully_shard inside each replica group; drop --mode {args.mode}"
     if args.replica_groups < 1 or args.max_restarts < 0:
         return "--replica-groups must be at least 1 and --max-restarts at least 0"
+    if min(args.sync_every, args.demo_chunk, args.demo_top_k) < 1:
+        return "--sync-every, --demo-chunk and --demo-top-k must be at least 1"
+    if args.outer_lr <= 0 or not 0 <= args.outer_momentum < 1:
+        return f"--outer-lr must be positive and --outer-momentum in [0, 1); got {args.outer_lr}, {args.outer_momentum}"
+    if args.replica_sync != "step" and args.optimizer != "adamw":
+        return f"--replica-sync {args.replica_sync} brings its own optimizer; drop --optimizer {args.optimizer}"
     if is_launched_rank() and (args.replica_group is None or args.lighthouse is None):
         return "--fault-tolerant under torchrun needs --replica-group G and --lighthouse http://HOST:PORT"
     return None
@@ -159,7 +176,13 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
 
 def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
     """``--optimizer``: fused AdamW (one kernel per step instead of a dozen foreach ops, each paying DTensor's
-    dispatch: torchtitan's default), or GaLoreAdamW at ``--galore-rank`` (the model's dim / 4 by default)."""
+    dispatch: torchtitan's default), or GaLoreAdamW at ``--galore-rank`` (the model's dim / 4 by default); under
+    ``--fault-tolerant``, ``--replica-sync demo`` or ``diloco`` brings its own (DeMo; DiLoCo over fused AdamW)."""
+    if args.fault_tolerant and args.replica_sync == "demo":
+        return DeMo(model.parameters(), lr=args.lr, chunk=args.demo_chunk, top_k=args.demo_top_k)
+    if args.fault_tolerant and args.replica_sync == "diloco":
+        return DiLoCo(model.parameters(), lr=args.lr, sync_every=args.sync_every, outer_lr=args.outer_lr,
+                      outer_momentum=args.outer_momentum, fused=True)
     if args.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     rank = args.galore_rank or get_config(args.model).dim // 4
@@ -181,8 +204,8 @@ def train(args: argparse.Namespace) -> None:
     dp_rank, dp_world = rank // args.tp, world // args.tp  # a tensor-parallel group trains one batch
     num_params = sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(args, model)
-    replicas = ReplicaGroup(model, optimizer, args.replica_group, args.replica_groups, args.lighthouse) \
-        if args.fault_tolerant else None
+    replicas = ReplicaGroup(model, optimizer, args.replica_group, args.replica_groups, args.lighthouse,
+                            sync=args.replica_sync) if args.fault_tolerant else None
     data_rank, data_world = ((args.replica_group * world + rank, args.replica_groups * world) if replicas
                              else (dp_rank, dp_world))
     tokens = load_tokens(args.data, args.seed)
@@ -199,14 +222,14 @@ def train(args: argparse.Namespace) -> None:
 
     start = 0
     if args.resume:
-        path = latest_checkpoint(args.checkpoint_dir)
+        path = latest_checkpoint(checkpoint_root(args))
         try:
             start = load_checkpoint(path, model, optimizer)
         except ValueError as error:
             fail(str(error))
         say(f"resumed from {path} at step {start}")
 
-    trained, step_times, losses, mfus = [], [], [], []
+    trained, step_times, losses, mfus, cross_group_bytes = [], [], [], [], []
     reduce_every = reduces_every_micro_batch(args.grad_accum_reduce, args.mode)
     if args.compile:
         say("compiling the forward and backward graphs in the first step ...", flush=True)
@@ -228,9 +251,11 @@ def train(args: argparse.Namespace) -> None:
         grad_note = ""
         if args.max_norm is not None:
             grad_note = f"  grad norm {clip_grad_norm_(model, args.max_norm).item():.3f}"
-        committed = replicas.should_commit() if replicas else True
-        if committed:
+        if replicas:
+            committed = replicas.step_optimizer(step)
+        else:
             optimizer.step()
+            committed = True
         optimizer.zero_grad()
         dist.all_reduce(loss_sum)
         losses.append(loss_sum.item() / world)
@@ -243,19 +268,24 @@ def train(args: argparse.Namespace) -> None:
             say(f"compiled in {step_times[0]:.1f} s{cached}", flush=True)
         note = "  recompiled" if len(step_times) > 1 and compiled_graphs() > graphs else ""
         if replicas:
+            cross_group_bytes.append(replicas.sent_bytes)
+            note += f"  cross-group {replicas.sent_bytes:,} B"
+            if committed and args.replica_sync == "diloco" and step % args.sync_every == 0:
+                note += f"  outer step, checksum {replicas.checksum()}"
             note += f"  group {args.replica_group} replicas {replicas.participants}/{args.replica_groups}"
             note += "" if committed else "  not committed"
         say(f"step {step:4d}/{args.steps}  loss {losses[-1]:.4f}  "
             f"{share * tokens_per_step / step_times[-1]:10,.0f} tok/s  "
             f"MFU {mfus[-1]:6.2%}  {step_times[-1]:.3f} s{grad_note}{note}", flush=True)
-        saves = committed and not (replicas and args.replica_group)  # one replica group saves
+        saves = committed and not (replicas and args.replica_group and args.replica_sync == "step")
         if args.checkpoint_dir and saves and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
-            say(f"saved {save_checkpoint(args.checkpoint_dir, step, model, optimizer)}", flush=True)
+            say(f"saved {save_checkpoint(checkpoint_root(args), step, model, optimizer)}", flush=True)
         begin = time.perf_counter()
 
     if step_times:
         summarize(say, args, trained[0] - 1, losses, step_times, mfus, tokens_per_step, world, optimizer)
         if replicas:
+            say(f"cross-group bytes per step: {round(statistics.mean(cross_group_bytes))}")
             say(f"group {args.replica_group}: rank 0's parameter checksum {replicas.checksum()}")
         if args.plot and rank == 0:
             title = f"simplefsdp train: {args.model}, {world} rank(s), mode {args.mode}"

@@ -9,8 +9,8 @@ apply_simulated_simdlen()
 # pytest-xdist worker at a time (dev.py: -n 2 --dist loadfile --no-loadscope-reorder) the workers then finish
 # together instead of one running a long file alone at the end.
 LONGEST_FIRST = ("test_parity.py", "test_zoo.py", "test_rank_invariance.py", "test_fault_tolerance.py",
-                 "test_dynamic_shapes.py", "test_shared_weights.py", "test_activation_checkpointing.py",
-                 "test_bench.py", "test_galore.py", "test_tensor_parallel.py")
+                 "test_semi_sync.py", "test_dynamic_shapes.py", "test_shared_weights.py",
+                 "test_activation_checkpointing.py", "test_bench.py", "test_galore.py", "test_tensor_parallel.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -15,8 +15,9 @@ import torch
 
 from test_train_cli import _load_full, train
 from simplefsdp.cli import main
+from simplefsdp.optim import DeMo, DiLoCo
 from simplefsdp.runtime.checkpoint import latest_checkpoint
-from simplefsdp.runtime.fault_tolerance import check_lighthouse
+from simplefsdp.runtime.fault_tolerance import ReplicaGroup, check_lighthouse
 
 if platform.machine() != "x86_64":
     pytest.skip("torchft 0.2.0 publishes x86-64 wheels only", allow_module_level=True)
@@ -51,10 +52,21 @@ def test_a_lighthouse_that_cannot_be_reached_is_named_without_hanging():
 @pytest.mark.parametrize("options, message", [
     (["--mode", "replicate"], "--fault-tolerant runs fully_shard inside each replica group"),
     (["--replica-groups", "0"], "--replica-groups must be at least 1"),
+    (["--replica-sync", "diloco", "--sync-every", "0"], "--sync-every, --demo-chunk and --demo-top-k must be at least 1"),
+    (["--replica-sync", "diloco", "--outer-momentum", "1"], "--outer-momentum in \\[0, 1\\); got 0.7, 1.0"),
+    (["--replica-sync", "demo", "--optimizer", "galore"], "--replica-sync demo brings its own optimizer; drop "),
 ])
 def test_bad_fault_tolerant_options_are_rejected_before_any_rank_starts(options, message):
     with pytest.raises(SystemExit, match=message):
         main(["train", "--model", "debug", "--fault-tolerant", *options])
+
+
+def test_a_replica_group_refuses_an_optimizer_that_does_not_fit_its_sync_mode_before_any_connection():
+    model = torch.nn.Linear(2, 2)
+    for sync, optimizer in [("demo", torch.optim.AdamW(model.parameters())), ("step", DiLoCo(model.parameters())),
+                            ("demo", DiLoCo(model.parameters())), ("every", DeMo(model.parameters()))]:
+        with pytest.raises(ValueError, match=f"sync={sync!r} with {type(optimizer).__name__}: 'step' takes"):
+            ReplicaGroup(model, optimizer, 0, 2, "http://127.0.0.1:9", sync=sync)
 
 
 def test_without_failures_two_groups_train_bitwise_like_replicate_on_the_same_global_batch(tmp_path):
@@ -83,14 +95,20 @@ def test_without_failures_two_groups_train_bitwise_like_replicate_on_the_same_gl
 
 
 def test_a_group_killed_mid_run_restarts_heals_and_rejoins_while_the_other_never_stops():
-    job = train(*GROUPS, "--steps", "60", kill="0:optimizer-step:3:1", step_sleep=STEP_SLEEP, timeout=600)
+    assert_a_killed_group_heals()
+
+
+def assert_a_killed_group_heals(*options: str) -> None:
+    """Group 1, killed at the end of its third step, restarts, heals from group 0's state and rejoins, while group 0
+    steps on; both end with the same parameters."""
+    job = train(*GROUPS, *options, "--steps", "60", kill="0:step-end:3:1", step_sleep=STEP_SLEEP, timeout=600)
     assert job.returncode == 0, job.stderr[-3000:]
     survivor, restarted = steps(job.stdout, 0), [step for step, *_ in steps(job.stdout, 1)]
     assert [step for step, *_ in survivor] == list(range(1, 61)) and all(ok for *_, ok in survivor)
     participants = [k for _, _, k, _ in survivor]
     assert 1 in participants and 2 in participants[participants.index(1):], \
         f"group 1 did not drop out and rejoin before group 0 finished: {participants}"
-    # Killed in its third optimizer step, group 1 printed steps 1 and 2; restarted, it heals to group 0's step.
+    # Killed at the end of its third step, group 1 printed steps 1 and 2; restarted, it heals to group 0's step.
     assert restarted[:2] == [1, 2] and restarted[2] > 3 and restarted[2:] == list(range(restarted[2], 61)), restarted
     assert len(checksums(job.stdout)) == 2 and len(set(checksums(job.stdout).values())) == 1
 
@@ -106,3 +124,4 @@ def test_a_kill_during_the_cross_replica_all_reduce_commits_that_step_nowhere_an
     assert retry[0] == 3 and retry[3] and retry[1] == survivor[failed[0]][1]
     assert [step for step, *_ in survivor][-1] == 60
     assert len(checksums(job.stdout)) == 2 and len(set(checksums(job.stdout).values())) == 1
+

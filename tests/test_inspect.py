@@ -358,7 +358,24 @@ def test_replica_groups_price_the_fault_tolerant_all_reduce_of_the_gradient_shar
     # Rank 0 holds the first ceil(rows / 8) rows of each fp32 master parameter: its gradient shard, all-reduced.
     model = build_model("debug")
     shard_bytes = sum(min(-(-p.shape[0] // 8), p.shape[0]) * p[0].numel() * 4 for p in model.parameters())
-    assert ft["replica_groups"] == 4 and ft["all_reduce_bytes"] == shard_bytes
-    assert ft["step_seconds"] == report.prediction.step_time + ft["all_reduce_seconds"] > report.prediction.step_time
-    assert "fault-tolerant: 4 replica groups" in report.summary()
+    assert ft["replica_groups"] == 4 and ft["exchange_bytes"] == shard_bytes and ft["exchange_every"] == 1
+    assert ft["bytes_per_step"] == 2 * 3 * shard_bytes // 4  # a ring all-reduce over 4 sends 2 (4 - 1) / 4 of it
+    assert ft["step_seconds"] == report.prediction.step_time + ft["exchange_seconds"] > report.prediction.step_time
+    assert "fault-tolerant: 4 replica groups, --replica-sync step" in report.summary()
     assert inspect_debug("fully_shard").fault_tolerant is None
+
+
+def test_replica_sync_prices_demo_s_top_components_and_diloco_s_outer_all_reduce():
+    step, demo, diloco = (inspect_debug("fully_shard", replica_groups=2, replica_sync=sync).fault_tolerant for sync in (
+        None, dict(sync="demo", chunk=64, top_k=32), dict(sync="diloco", sync_every=32)))
+    # Rank 0 of 8 holds ceil(rows / 8) <= 64 rows of each 2-D weight, all of its 64 or 192 columns: chunks of those
+    # rows x 64 columns (the largest divisors <= 64), each sending its top 32 as fp32 values and int16 positions;
+    # and 8 of each 1-D norm's 64: one chunk of 8, all sent.
+    model = build_model("debug")
+    expected = sum(p[0].numel() // 64 * 32 * 6 if p.dim() > 1 else 8 * 6 for p in model.parameters())
+    assert demo["exchange_bytes"] == expected and demo["bytes_per_step"] == expected
+    assert demo["bytes_per_step"] <= step["bytes_per_step"] / 16
+    assert diloco["exchange_bytes"] == step["exchange_bytes"] and diloco["exchange_every"] == 32
+    assert diloco["bytes_per_step"] == step["bytes_per_step"] / 32
+    assert diloco["step_seconds"] == pytest.approx(step["step_seconds"] - step["exchange_seconds"]
+                                                   + diloco["exchange_seconds"] / 32, rel=1e-12)

@@ -47,6 +47,7 @@ def train(*options: str, kill: str | None = None, step_sleep: float = 0, timeout
         (["--nproc", "2", "--tp", "3"], "--tp 3: tp=3 must be a positive int dividing the world size 2"),
         (["--nproc", "4", "--tp", "4"], r"--tp 4: .* needs n_kv_heads \(2\) divisible by 4"),
         (["--nproc", "4", "--tp", "2", "--mode", "hybrid_shard"], "composes with mode='fully_shard' only"),
+        (["--replica-sync", "demo"], "--replica-sync demo is what crosses replica groups: add --fault-tolerant"),
     ],
 )
 def test_bad_input_is_rejected_before_any_rank_starts(options, message):
@@ -63,7 +64,7 @@ def test_plot_without_matplotlib_names_the_extra_before_any_rank_starts(monkeypa
 
 
 def test_a_killed_rank_ends_the_job_within_60_seconds_naming_it():
-    job = train("--steps", "200", kill="1:optimizer-step:3", timeout=60)
+    job = train("--steps", "200", kill="1:step-end:3", timeout=60)
     assert job.returncode != 0
     assert "rank 1 was killed by SIGKILL" in job.stderr
     assert "step    2/200" in job.stdout

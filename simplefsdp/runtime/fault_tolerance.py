@@ -1,9 +1,11 @@
 """Fault-tolerant replica groups on torchft (the ``ft`` extra).
 
-Each replica group trains ``fully_shard`` in its own ``torchrun`` world. After backward, the reduce-scattered
-gradient shards are averaged over the groups taking part in this step (one all-reduce through torchft's
-``Manager``), and the optimizer steps only when the step commits. A restarted group copies parameters, optimizer
-state, step and RNG from a live group, then rejoins.
+Each replica group trains ``fully_shard`` in its own ``torchrun`` world. What crosses groups is the ``sync`` mode's:
+``step`` averages the reduce-scattered gradient shards over the groups taking part in this step (one all-reduce
+through torchft's ``Manager``) before the optimizer steps; ``demo`` and ``diloco`` leave the exchange to their
+optimizer (``simplefsdp.optim.DeMo``, ``DiLoCo``), which communicates through this class's ``Collectives``. The
+optimizer steps only when the step commits. A restarted group copies parameters, optimizer state (momentum,
+anchors), step and RNG from a live group, then rejoins.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import AllgatherOptions
 from torch.distributed.tensor import DTensor
 
+from simplefsdp.optim import DeMo, DiLoCo
+
 INSTALL = "install it with: pip install 'simplefsdp[ft]' (torchft 0.2.0)"
+SYNC_MODES = ("step", "demo", "diloco")
 
 
 def check_lighthouse(address: str, wait_seconds: float = 10.0) -> None:
@@ -47,23 +53,32 @@ def _local(value):
 
 
 class ReplicaGroup:
-    """This rank's view of the replica groups: the step's quorum, cross-replica averaging, commit, healing."""
+    """This rank's view of the replica groups: the step's quorum, what crosses groups (``sync``, one of
+    ``SYNC_MODES``; ``demo`` needs a ``DeMo`` optimizer, ``diloco`` a ``DiLoCo``), commit, healing; and the
+    ``Collectives`` those optimizers exchange through, counting the bytes this rank sends."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: int, groups: int, lighthouse: str,
-                 timeout: timedelta = timedelta(seconds=20)) -> None:
+                 timeout: timedelta = timedelta(seconds=20), sync: str = "step") -> None:
+        wanted = {"demo": DeMo, "diloco": DiLoCo}.get(sync)
+        if sync not in SYNC_MODES or (not isinstance(optimizer, wanted) if wanted
+                                      else isinstance(optimizer, (DeMo, DiLoCo))):
+            raise ValueError(f"sync={sync!r} with {type(optimizer).__name__}: 'step' takes an optimizer that does not "
+                             "exchange on its own, 'demo' simplefsdp.optim.DeMo, 'diloco' simplefsdp.optim.DiLoCo")
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's manager logs every quorum at info
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # the ft extra: checked before launch
         check_lighthouse(lighthouse)
         if not torch.cuda.is_available():  # its one warning on CPU is about NCCL's flight recorder
             logging.getLogger("torchft.manager").setLevel(logging.ERROR)
-        self.model, self.optimizer, self.groups = model, optimizer, groups
-        process_group = (ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo)(timeout=timeout)
+        self.model, self.optimizer, self.groups, self.sync = model, optimizer, groups, sync
+        self.sent_bytes = 0  # by this rank across groups in the current step, as a ring algorithm sends them
+        self.process_group = (ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo)(timeout=timeout)
         # The Manager finds its group's rank 0 through a store: a new one per start, never a dead rank's address.
-        host = os.environ["MASTER_ADDR"]
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # a 1-rank world of its own has none
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if dist.get_rank() == 0 else None
         port = [self.store.port if self.store else None]
         dist.broadcast_object_list(port, src=0)
         self.manager = Manager(
-            pg=process_group, min_replica_size=1, load_state_dict=self.load_state_dict, state_dict=self.state_dict,
+            pg=self.process_group, min_replica_size=1, load_state_dict=self.load_state_dict, state_dict=self.state_dict,
             replica_id=f"group{group}", lighthouse_addr=lighthouse, use_async_quorum=False, init_sync=False,
             timeout=timeout, quorum_timeout=timedelta(minutes=5), connect_timeout=timeout, store_addr=host,
             store_port=port[0], rank=dist.get_rank(), world_size=dist.get_world_size(),
@@ -86,6 +101,7 @@ class ReplicaGroup:
                 continue
             if self.manager.current_step() >= last:
                 return
+            self.sent_bytes = 0
             yield self.manager.current_step() + 1
 
     @property
@@ -93,17 +109,43 @@ class ReplicaGroup:
         """How many replica groups take part in the current step."""
         return self.manager.num_participants()
 
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The mean of ``tensor`` over the participating groups, in place; a failure makes the step uncommitted."""
+        self.manager.allreduce(tensor).wait()
+        self.sent_bytes += 2 * (self.participants - 1) * tensor.nbytes // self.participants
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every participating group's ``tensor``, in quorum order; a failure makes the step uncommitted (and the
+        list holds garbage, never used)."""
+        outputs = [torch.empty_like(tensor) for _ in range(self.participants)]
+        if len(outputs) > 1 and not self.manager.errored():
+            work = self.process_group.allgather([outputs], [tensor], AllgatherOptions())
+            self.manager.wrap_future(work.get_future(), None).wait()
+        self.sent_bytes += (self.participants - 1) * tensor.nbytes
+        return outputs if len(outputs) > 1 else [tensor]
+
     def average_gradients(self) -> None:
-        """Average every gradient shard over the participating groups, in one flat all-reduce."""
+        """With ``sync="step"``: average every gradient shard over the participating groups, in one flat all-reduce;
+        the other modes exchange in the optimizer instead."""
+        if self.sync != "step":
+            return
         grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        self.manager.allreduce(flat).wait()
+        flat = self.all_reduce_mean(torch.cat([grad.reshape(-1) for grad in grads]))
         for grad, averaged in zip(grads, flat.split([grad.numel() for grad in grads])):
             grad.copy_(averaged.view_as(grad))
 
-    def should_commit(self) -> bool:
-        """True when every participant finished the step; only then may the optimizer step."""
-        return self.manager.should_commit()
+    def step_optimizer(self, step: int) -> bool:
+        """Step the optimizer if every participant finished training ``step`` (the optimizers of ``demo`` and
+        ``diloco`` exchange first, and drop their exchange if not); returns whether the step committed."""
+        if self.sync != "step":
+            self.optimizer.exchange(self, step)
+        committed = self.manager.should_commit()
+        if committed:
+            self.optimizer.step()
+        elif self.sync != "step":
+            self.optimizer.discard()
+        return committed
 
     def state_dict(self) -> dict:
         """What a healing group copies: local parameter and buffer shards, optimizer state, RNG."""

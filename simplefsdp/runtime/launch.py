@@ -36,20 +36,25 @@ def launch_local_ranks(nproc: int, module_argv: list[str], max_restarts: int = 0
     return 0
 
 
+def start_lighthouse() -> tuple[subprocess.Popen, str]:
+    """Start torchft's lighthouse (the ``ft`` extra's ``torchft_lighthouse``) on a free local port: the process
+    (``terminate()`` it when done) and its address."""
+    binary = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([binary, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}", "--join_timeout_ms",
+                               "60000", "--heartbeat_timeout_ms", "2000"], env={"RUST_LOG": "warn", **os.environ})
+    return server, f"http://127.0.0.1:{port}"
+
+
 def launch_replica_groups(groups: int, nproc: int, module_argv: list[str], lighthouse: str | None) -> int:
     """Start torchft's lighthouse (unless ``lighthouse`` names a running one), then ``python -m simplefsdp
     <module_argv> --replica-group G`` for each of ``groups`` groups of ``nproc`` ranks; the first failing exit
     code, else 0."""
     server = None
     if lighthouse is None:
-        binary = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        lighthouse = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen([binary, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}",
-                                   "--join_timeout_ms", "60000", "--heartbeat_timeout_ms", "2000"],
-                                  env={"RUST_LOG": "warn", **os.environ})
+        server, lighthouse = start_lighthouse()
     threads = str(max(1, (os.cpu_count() or 1) // (groups * nproc)))  # the groups share this machine's cores
     env = {"RUST_LOG": "warn", "OMP_NUM_THREADS": threads, **os.environ, "TORCHFT_LIGHTHOUSE": lighthouse}
     jobs = [subprocess.Popen([sys.executable, "-m", "simplefsdp", *module_argv, "--replica-group", str(group)], env=env)

@@ -2,10 +2,10 @@
 
 ``SIMPLEFSDP_TEST_KILL=<rank>:<point>:<n>[:<group>]`` makes that rank (of replica group ``<group>``, when given)
 SIGKILL itself on the n-th call of the point, in the job's first run only (not after an elastic restart):
-``optimizer-step`` (``torch.optim.AdamW.step``), ``checkpoint-write`` (DCP's ``FileSystemWriter.write_data``,
+``step-end`` (``torch.optim.Optimizer.zero_grad``, after the optimizer stepped, any optimizer), ``checkpoint-write`` (DCP's ``FileSystemWriter.write_data``,
 mid-save) or ``cross-replica`` (torchft's ``Manager.allreduce``: the other groups' all-reduce
 is under way).
-``SIMPLEFSDP_TEST_STEP_SLEEP=<seconds>`` makes every optimizer step that long, so that a short run outlasts a restart.
+``SIMPLEFSDP_TEST_STEP_SLEEP=<seconds>`` makes every step's ``zero_grad`` that long, so that a short run outlasts a restart.
 """
 
 import os
@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 if _sleep := float(os.environ.get("SIMPLEFSDP_TEST_STEP_SLEEP", "0")):
-    from torch.optim import AdamW as _AdamW
+    from torch.optim import Optimizer as _Optimizer
 
-    _step = _AdamW.step
-    _AdamW.step = lambda *args, **kwargs: (time.sleep(_sleep), _step(*args, **kwargs))[1]
+    _zero_grad = _Optimizer.zero_grad
+    _Optimizer.zero_grad = lambda *args, **kwargs: (time.sleep(_sleep), _zero_grad(*args, **kwargs))[1]
 
 _spec = os.environ.get("SIMPLEFSDP_TEST_KILL", "").split(":")
 _command = Path("/proc/self/cmdline").read_bytes().split(b"\0")
@@ -26,11 +26,11 @@ if (len(_spec) > 2 and os.environ.get("RANK") == _spec[0] and os.environ.get("TO
     _, _point, _nth = _spec[:3]
     if _point == "cross-replica":
         from torchft.manager import Manager as _owner
-    elif _point == "optimizer-step":
-        from torch.optim import AdamW as _owner
+    elif _point == "step-end":
+        from torch.optim import Optimizer as _owner
     else:
         from torch.distributed.checkpoint import FileSystemWriter as _owner
-    _name = {"optimizer-step": "step", "checkpoint-write": "write_data", "cross-replica": "allreduce"}[_point]
+    _name = {"step-end": "zero_grad", "checkpoint-write": "write_data", "cross-replica": "allreduce"}[_point]
     _original = getattr(_owner, _name)
     _calls = 0
 
