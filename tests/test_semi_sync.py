@@ -179,3 +179,12 @@ def test_a_group_killed_mid_run_heals_with_the_mode_s_state(mode):
     from test_fault_tolerance import assert_a_killed_group_heals
 
     assert_a_killed_group_heals(*SYNC[mode])
+
+
+@torchft_wheels
+def test_a_kill_during_demo_s_all_gather_commits_that_step_nowhere_and_drops_its_exchange():
+    """The all-gather runs on torchft's process group under ``Manager.wrap_future``: a peer dying in it fails the
+    step (not a hang), and ``DeMo.discard`` leaves momentum and parameters as they were, so the retry is the same."""
+    from test_fault_tolerance import assert_a_kill_mid_exchange_commits_that_step_nowhere
+
+    assert_a_kill_mid_exchange_commits_that_step_nowhere("cross-replica-gather", *SYNC["demo"])

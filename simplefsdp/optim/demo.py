@@ -1,4 +1,4 @@
-"""``DeMo``: decoupled momentum (Peng, Quesnelle, Kingma), per local shard as FlexDeMo runs it across replica groups.
+"""``DeMo``: decoupled momentum (Peng et al.), per local shard as FlexDeMo runs it across replica groups.
 
 Each step a parameter's momentum accumulates ``lr * grad``; a DCT over fixed-size chunks of the momentum picks each
 chunk's ``top_k`` largest coefficients, which leave the momentum and are exchanged across replica groups (one
@@ -50,14 +50,14 @@ def encode(x: torch.Tensor, chunk: tuple[int, int]) -> torch.Tensor:
     """The 2-D DCT of every ``chunk`` of ``x``: (chunks, chunk rows * chunk columns) coefficients, chunks row-major."""
     (rows, columns), (h, w) = as_matrix(x.shape), chunk
     blocks = x.reshape(rows // h, h, columns // w, w)
-    bases = dct_basis(h).to(x.device), dct_basis(w).to(x.device)
+    bases = dct_basis(h).to(x), dct_basis(w).to(x)
     return torch.einsum("yaxb,ia,jb->yxij", blocks, *bases).reshape(-1, h * w)
 
 
 def decode(coefficients: torch.Tensor, shape: torch.Size, chunk: tuple[int, int]) -> torch.Tensor:
     """The tensor of ``shape`` whose ``encode`` is ``coefficients``: the inverse DCT of every chunk."""
     (rows, columns), (h, w) = as_matrix(shape), chunk
-    bases = dct_basis(h).to(coefficients.device), dct_basis(w).to(coefficients.device)
+    bases = dct_basis(h).to(coefficients), dct_basis(w).to(coefficients)
     blocks = coefficients.reshape(rows // h, columns // w, h, w)
     return torch.einsum("yxij,ia,jb->yaxb", blocks, *bases).reshape(shape)
 

@@ -116,14 +116,14 @@ class ReplicaGroup:
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every participating group's ``tensor``, in quorum order; a failure makes the step uncommitted (and the
-        list holds garbage, never used)."""
+        """Every participating group's ``tensor``, in quorum order. A failure makes the step uncommitted and returns
+        this group's ``tensor`` in every place (well-formed, so decoding it is safe; the step will not apply it)."""
         outputs = [torch.empty_like(tensor) for _ in range(self.participants)]
         if len(outputs) > 1 and not self.manager.errored():
             work = self.process_group.allgather([outputs], [tensor], AllgatherOptions())
             self.manager.wrap_future(work.get_future(), None).wait()
         self.sent_bytes += (self.participants - 1) * tensor.nbytes
-        return outputs if len(outputs) > 1 else [tensor]
+        return [tensor] * len(outputs) if len(outputs) == 1 or self.manager.errored() else outputs
 
     def average_gradients(self) -> None:
         """With ``sync="step"``: average every gradient shard over the participating groups, in one flat all-reduce;

@@ -3,8 +3,8 @@
 ``SIMPLEFSDP_TEST_KILL=<rank>:<point>:<n>[:<group>]`` makes that rank (of replica group ``<group>``, when given)
 SIGKILL itself on the n-th call of the point, in the job's first run only (not after an elastic restart):
 ``step-end`` (``torch.optim.Optimizer.zero_grad``, after the optimizer stepped, any optimizer), ``checkpoint-write`` (DCP's ``FileSystemWriter.write_data``,
-mid-save) or ``cross-replica`` (torchft's ``Manager.allreduce``: the other groups' all-reduce
-is under way).
+mid-save), ``cross-replica`` (torchft's ``Manager.allreduce``: the other groups' all-reduce
+is under way) or ``cross-replica-gather`` (torchft's gloo group's ``allgather``, DeMo's exchange).
 ``SIMPLEFSDP_TEST_STEP_SLEEP=<seconds>`` makes every step's ``zero_grad`` that long, so that a short run outlasts a restart.
 """
 
@@ -26,11 +26,14 @@ if (len(_spec) > 2 and os.environ.get("RANK") == _spec[0] and os.environ.get("TO
     _, _point, _nth = _spec[:3]
     if _point == "cross-replica":
         from torchft.manager import Manager as _owner
+    elif _point == "cross-replica-gather":
+        from torchft.process_group import ProcessGroupGloo as _owner
     elif _point == "step-end":
         from torch.optim import Optimizer as _owner
     else:
         from torch.distributed.checkpoint import FileSystemWriter as _owner
-    _name = {"step-end": "zero_grad", "checkpoint-write": "write_data", "cross-replica": "allreduce"}[_point]
+    _name = {"step-end": "zero_grad", "checkpoint-write": "write_data", "cross-replica": "allreduce",
+             "cross-replica-gather": "allgather"}[_point]
     _original = getattr(_owner, _name)
     _calls = 0
 
