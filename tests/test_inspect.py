@@ -224,6 +224,13 @@ def test_cli_pass_flags_reach_the_passes(tmp_path, capsys):
     assert "reorder plan" in capsys.readouterr().out
 
 
+def test_cli_replica_sync_flags_reach_the_price(capsys):
+    assert main(["inspect", "--model", "debug", "--seq-len", "16", "--replica-groups", "2", "--replica-sync",
+                 "diloco", "--sync-every", "8"]) == 0
+    summary = capsys.readouterr().out
+    assert "fault-tolerant: 2 replica groups, --replica-sync diloco: " in summary and "every 8 step(s)" in summary
+
+
 def test_unknown_hardware_is_one_line_naming_the_choices():
     with pytest.raises(ValueError) as error:
         simplefsdp.inspect(build_model("debug"), (torch.zeros(1, 8, dtype=torch.long),), world_size=8, hardware="h1OO")
