@@ -26,6 +26,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 from torch.distributed.tensor import DTensor
 
 from simplefsdp.optim import DeMo, DiLoCo
+from simplefsdp.optim.galore import local
 
 INSTALL = "install it with: pip install 'simplefsdp[ft]' (torchft 0.2.0)"
 SYNC_MODES = ("step", "demo", "diloco")
@@ -46,10 +47,6 @@ def check_lighthouse(address: str, wait_seconds: float = 10.0) -> None:
                     f"`torchft_lighthouse --min_replicas 1 --bind {url.hostname}:{url.port}`, or pass the address "
                     "of the running one (--lighthouse or TORCHFT_LIGHTHOUSE)") from None
             time.sleep(0.2)
-
-
-def _local(value):
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 class ReplicaGroup:
@@ -118,19 +115,21 @@ class ReplicaGroup:
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every participating group's ``tensor``, in quorum order. A failure makes the step uncommitted and returns
         this group's ``tensor`` in every place (well-formed, so decoding it is safe; the step will not apply it)."""
-        outputs = [torch.empty_like(tensor) for _ in range(self.participants)]
-        if len(outputs) > 1 and not self.manager.errored():
-            work = self.process_group.allgather([outputs], [tensor], AllgatherOptions())
-            self.manager.wrap_future(work.get_future(), None).wait()
-        self.sent_bytes += (self.participants - 1) * tensor.nbytes
-        return [tensor] * len(outputs) if len(outputs) == 1 or self.manager.errored() else outputs
+        participants = self.participants
+        self.sent_bytes += (participants - 1) * tensor.nbytes
+        if participants == 1 or self.manager.errored():
+            return [tensor] * participants
+        outputs = [torch.empty_like(tensor) for _ in range(participants)]
+        work = self.process_group.allgather([outputs], [tensor], AllgatherOptions())
+        self.manager.wrap_future(work.get_future(), None).wait()
+        return [tensor] * participants if self.manager.errored() else outputs
 
     def average_gradients(self) -> None:
         """With ``sync="step"``: average every gradient shard over the participating groups, in one flat all-reduce;
         the other modes exchange in the optimizer instead."""
         if self.sync != "step":
             return
-        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
         flat = self.all_reduce_mean(torch.cat([grad.reshape(-1) for grad in grads]))
         for grad, averaged in zip(grads, flat.split([grad.numel() for grad in grads])):
             grad.copy_(averaged.view_as(grad))
@@ -150,16 +149,16 @@ class ReplicaGroup:
     def state_dict(self) -> dict:
         """What a healing group copies: local parameter and buffer shards, optimizer state, RNG."""
         optimizer = self.optimizer.state_dict()
-        optimizer["state"] = {index: {key: _local(value) for key, value in state.items()}
+        optimizer["state"] = {index: {key: local(value) for key, value in state.items()}
                               for index, state in optimizer["state"].items()}
-        return {"tensors": [_local(t) for t in (*self.model.parameters(), *self.model.buffers())],
+        return {"tensors": [local(t) for t in (*self.model.parameters(), *self.model.buffers())],
                 "optimizer": optimizer, "rng": torch.get_rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
         """Copy a live group's state (see ``state_dict``) into this group's model and optimizer."""
         with torch.no_grad():
             for tensor, saved in zip((*self.model.parameters(), *self.model.buffers()), state["tensors"]):
-                _local(tensor).copy_(saved)
+                local(tensor).copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         for param, param_state in self.optimizer.state.items():  # moments are DTensors like their parameter
             for key, value in param_state.items():
@@ -173,5 +172,5 @@ class ReplicaGroup:
         """CRC-32 of this rank's parameter shards: equal across groups when their parameters are bitwise equal."""
         value = 0
         for param in self.model.parameters():
-            value = zlib.crc32(_local(param).detach().contiguous().reshape(-1).view(torch.uint8).numpy(), value)
+            value = zlib.crc32(local(param).detach().contiguous().reshape(-1).view(torch.uint8).numpy(), value)
         return f"{value:08x}"
