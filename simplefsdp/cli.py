@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --optimizer galore: the subspace's rank (default: the model's dim / 4)")
     command.add_argument("--galore-update-every", type=int, default=200, metavar="T",
                          help="with --optimizer galore: steps between subspace refreshes (200)")
+    command.add_argument("--galore-projector-dtype", type=_choice(DTYPES, "dtype"), default=None,
+                         metavar="{" + ",".join(DTYPES) + "}",
+                         help="with --optimizer galore: the projectors' storage (the parameter's own: float32)")
     command.add_argument("--galore-shard-projector", action="store_true",
                          help="with --optimizer galore: shard the projectors, all-gathered every step")
     command.set_defaults(run=train.run)

@@ -187,7 +187,8 @@ def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.o
         return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     rank = args.galore_rank or get_config(args.model).dim // 4
     return GaLoreAdamW(model.parameters(), lr=args.lr, rank=rank, update_every=args.galore_update_every,
-                       seed=args.seed, shard_projector=args.galore_shard_projector)
+                       seed=args.seed, projector_dtype=args.galore_projector_dtype,
+                       shard_projector=args.galore_shard_projector)
 
 
 def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:

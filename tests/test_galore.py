@@ -35,9 +35,11 @@ def initial_weights() -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
 
 
-def reference_galore() -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]], dict[str, torch.Tensor]]:
-    """GaLore 2's update on whole tensors, one process: the final weights, each projected weight's projectors and
-    the elementwise bound on how far a sharded run's final weights may round apart from these."""
+def reference_galore(projector_dtype: torch.dtype = torch.float32
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]], dict[str, torch.Tensor]]:
+    """GaLore 2's update on whole tensors, one process, with projectors stored in ``projector_dtype``: the final
+    weights, each projected weight's projectors and the elementwise bound on how far a sharded run's final weights
+    may round apart from these."""
     weights, moments, projectors, bounds = initial_weights(), {}, {}, {}
     beta1, beta2, eps, lr = *HYPER["betas"], HYPER["eps"], HYPER["lr"]
     history: dict[str, list] = {}
@@ -46,8 +48,8 @@ def reference_galore() -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Te
             projected = grad.ndim == 2 and min(grad.shape) > RANK
             if projected and (step - 1) % UPDATE_EVERY == 0:
                 projectors.setdefault(name, []).append(top_right_singular_vectors(
-                    grad, RANK, seed=refresh_seed(HYPER["seed"], step, index)))
-            q = projectors[name][-1] if projected else None
+                    grad, RANK, seed=refresh_seed(HYPER["seed"], step, index)).to(projector_dtype))
+            q = projectors[name][-1].float() if projected else None
             r = grad @ q if projected else grad
             m, v = moments.get(name, (torch.zeros_like(r), torch.zeros_like(r)))
             m, v = m.lerp(r, 1 - beta1), v.mul(beta2).addcmul(r, r, value=1 - beta2)
@@ -86,12 +88,14 @@ def rounding_bound(steps: list, final: torch.Tensor, lr: float) -> torch.Tensor:
     return total + 2 * 2 * U * len(steps) * final.abs().max()
 
 
-def _sharded_galore(shard_projector: bool) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
+def _sharded_galore(shard_projector: bool, projector_dtype: torch.dtype | None
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
     """The same steps with each weight a Shard(0) DTensor over 2 ranks; returns full weights and the projectors."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     parameters = {name: torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=None))
                   for name, weight in initial_weights().items()}
-    optimizer = GaLoreAdamW(parameters.values(), **HYPER, shard_projector=shard_projector)
+    optimizer = GaLoreAdamW(parameters.values(), **HYPER, projector_dtype=projector_dtype,
+                            shard_projector=shard_projector)
     projectors: dict[str, list[torch.Tensor]] = {}
     for step in range(1, STEPS + 1):
         for name, grad in gradients(step).items():
@@ -107,8 +111,12 @@ def _sharded_galore(shard_projector: bool) -> tuple[dict[str, torch.Tensor], dic
     return {name: p.full_tensor() for name, p in parameters.items()}, projectors
 
 
-def _both_layouts() -> list:
-    return [_sharded_galore(shard_projector) for shard_projector in (False, True)]
+# (shard_projector, projector_dtype): the default layout, the sharded projector, and bf16 projectors replicated
+LAYOUTS = [(False, None), (True, None), (False, torch.bfloat16)]
+
+
+def _every_layout() -> list:
+    return [_sharded_galore(*layout) for layout in LAYOUTS]
 
 
 def test_the_subspace_of_a_rank_r_gradient_is_found():
@@ -124,16 +132,21 @@ def test_the_subspace_of_a_rank_r_gradient_is_found():
 
 
 def test_two_ranks_match_one_process_across_a_refresh():
-    expected, expected_projectors, bounds = reference_galore()
-    for rank_weights, rank_projectors in (layout for rank in run_on_ranks(2, _both_layouts) for layout in rank):
-        for name, projectors in expected_projectors.items():  # bitwise: same bytes into the same function
-            assert len(rank_projectors[name]) == 2
-            assert all(torch.equal(a, b) for a, b in zip(rank_projectors[name], projectors)), name
-        for name, bound in bounds.items():
-            difference = (rank_weights[name] - expected[name]).abs()
-            assert (difference <= bound).all(), f"{name}: {(difference - bound).max().item()} over the bound"
-        assert set(bounds) == set(SHAPES)
-        assert not torch.equal(rank_weights["tall"], initial_weights()["tall"])
+    for rank in run_on_ranks(2, _every_layout):
+        for (_, projector_dtype), (rank_weights, rank_projectors) in zip(LAYOUTS, rank, strict=True):
+            _assert_matches_the_reference(projector_dtype or torch.float32, rank_weights, rank_projectors)
+
+
+def _assert_matches_the_reference(projector_dtype: torch.dtype, rank_weights: dict, rank_projectors: dict) -> None:
+    expected, expected_projectors, bounds = reference_galore(projector_dtype)
+    for name, projectors in expected_projectors.items():  # bitwise: same bytes into the same function
+        assert len(rank_projectors[name]) == 2
+        assert all(torch.equal(a, b) for a, b in zip(rank_projectors[name], projectors)), name
+    for name, bound in bounds.items():
+        difference = (rank_weights[name] - expected[name]).abs()
+        assert (difference <= bound).all(), f"{name}: {(difference - bound).max().item()} over the bound"
+    assert set(bounds) == set(SHAPES)
+    assert not torch.equal(rank_weights["tall"], initial_weights()["tall"])
 
 
 def test_bad_rank_is_refused():
@@ -142,10 +155,10 @@ def test_bad_rank_is_refused():
 
 
 def test_train_with_galore_resumes_exactly_across_a_refresh_and_reports_its_state(tmp_path):
-    """``train --optimizer galore`` (accumulation and clipping on) saved at step 2 and resumed trains step 3 with
-    the projectors of step 1 and step 4 across a refresh, to the same bytes as a straight run, and prints its state
-    size (AdamW's: test_train_cli)."""
-    galore = ["--optimizer", "galore", "--galore-update-every", "3"]
+    """``train --optimizer galore`` (accumulation and clipping on, bf16 projectors) saved at step 2 and resumed
+    trains step 3 with the projectors of step 1 and step 4 across a refresh, to the same bytes as a straight run, and
+    prints its state size (AdamW's: test_train_cli)."""
+    galore = ["--optimizer", "galore", "--galore-update-every", "3", "--galore-projector-dtype", "bfloat16"]
     killed, straight = tmp_path / "resumed", tmp_path / "straight"
     assert train(*galore, "--steps", "2", "--checkpoint-dir", str(killed)).returncode == 0
     resumed = train(*galore, "--steps", "4", "--checkpoint-dir", str(killed), "--resume")
@@ -153,9 +166,10 @@ def test_train_with_galore_resumes_exactly_across_a_refresh_and_reports_its_stat
     whole = train(*galore, "--steps", "4", "--checkpoint-dir", str(straight))
     assert whole.returncode == 0, whole.stderr
     rank = get_config("debug").dim // 4
-    assert f"optimizer state bytes per rank: {expected_state_bytes('galore', rank)}\n" in whole.stdout
+    assert f"optimizer state bytes per rank: {expected_state_bytes('galore', rank, projector_bytes=2)}\n" in whole.stdout
     assert_same_checkpoint(checkpoint_path(straight, 4), checkpoint_path(killed, 4), tmp_path)
-    assert expected_state_bytes("galore", rank) < 0.6 * expected_state_bytes("adamw", rank)
+    assert expected_state_bytes("galore", rank, projector_bytes=2) < expected_state_bytes("galore", rank) \
+        < 0.6 * expected_state_bytes("adamw", rank)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -103,16 +103,16 @@ def assert_same_checkpoint(expected_path: Path, actual_path: Path, tmp_path: Pat
     return expected
 
 
-def expected_state_bytes(optimizer: str, rank: int) -> int:
+def expected_state_bytes(optimizer: str, rank: int, projector_bytes: int = 4) -> int:
     """Rank 0's optimizer state on 2 ranks for the debug Llama, from its shapes: rank 0 holds ceil(rows / 2) of
     each parameter; a step counter (fp32 scalar) per parameter; AdamW keeps two fp32 moments of its shard, GaLore
-    two of rows x rank and the replicated n x rank projector for 2-D weights whose smaller side exceeds the rank,
-    where that is less than AdamW's two moments."""
+    two of rows x rank and the replicated n x rank projector (``projector_bytes`` an element) for 2-D weights whose
+    smaller side exceeds the rank, where that is less than AdamW's two moments."""
     total = 0
     for parameter in build_model("debug").parameters():
         rows = -(-parameter.shape[0] // 2)
         local_numel = rows * parameter[0].numel()
-        galore = 4 * (2 * rows * rank + parameter.shape[-1] * rank)
+        galore = 4 * 2 * rows * rank + projector_bytes * parameter.shape[-1] * rank
         projected = parameter.ndim == 2 and min(parameter.shape) > rank and galore < 8 * local_numel
         if optimizer == "galore" and projected:
             total += galore

@@ -10,8 +10,10 @@ all-gathers the gradient (``DTensor.full_tensor``, the bytes of one weight all-g
 steps) and every rank computes the same ``Q`` from the same bytes and the same seeded sketch. The moments are
 sharded like the weight (m_i x r per rank). ``Q`` is replicated by default: the step between refreshes is local,
 no collective, but each rank holds n x r per weight, which outgrows AdamW's shard as ranks grow, so a weight is
-projected only where that saves memory. ``shard_projector=True`` keeps ``Q``'s rows sharded too and all-gathers it
-at every step (n x r more bytes per weight and step): the state shrinks with every rank added.
+projected only where that saves memory. ``projector_dtype=torch.bfloat16`` halves ``Q`` (rounded once per refresh,
+as GaLore keeps it in the training dtype; products still in the gradient's dtype). ``shard_projector=True`` keeps
+``Q``'s rows sharded too and all-gathers it at every step (n x r more bytes per weight and step): the state shrinks
+with every rank added.
 GaLore projects the smaller side; here the columns always, because projecting rows (``P^T G``) would sum over the
 ranks' rows at every step. ``benchmarks/galore.md`` measures both layouts.
 """
@@ -53,18 +55,19 @@ class GaLoreAdamW(torch.optim.Optimizer):
     """AdamW whose 2-D weights (smaller side > ``rank``) keep their moments in a rank-``rank`` gradient subspace.
 
     ``update_every``: steps between subspace refreshes (GaLore's T); ``scale``: GaLore's alpha, multiplying the
-    projected-back update; ``seed``: of the refresh sketches, the same on every rank; ``shard_projector``: shard the
-    projectors and all-gather them each step, instead of replicating them.
+    projected-back update; ``seed``: of the refresh sketches, the same on every rank; ``projector_dtype``: the
+    projectors' storage (the gradient's by default); ``shard_projector``: shard the projectors and all-gather them
+    each step, instead of replicating them.
     """
 
     def __init__(self, params, lr: float = 1e-3, rank: int = 128, update_every: int = 200, scale: float = 0.25,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 seed: int = 0, shard_projector: bool = False) -> None:
+                 seed: int = 0, projector_dtype: torch.dtype | None = None, shard_projector: bool = False) -> None:
         if rank < 1 or update_every < 1:
             raise ValueError(f"GaLoreAdamW needs rank >= 1 and update_every >= 1, got rank={rank}, "
                              f"update_every={update_every}")
         super().__init__(params, dict(lr=lr, rank=rank, update_every=update_every, scale=scale, betas=betas,
-                                      eps=eps, weight_decay=weight_decay, seed=seed,
+                                      eps=eps, weight_decay=weight_decay, seed=seed, projector_dtype=projector_dtype,
                                       shard_projector=shard_projector))
         for group in self.param_groups:
             for parameter in group["params"]:
@@ -86,7 +89,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
     def update(self, parameter: torch.Tensor, group: dict, index: int) -> None:
         """Adam's step on ``parameter``: in its gradient's subspace if it is projected, else AdamW."""
         state, rank = self.state[parameter], group["rank"]
-        projected = is_projected(parameter.shape, row_shards(parameter), rank, group["shard_projector"])
+        projector_dtype = group["projector_dtype"] or parameter.dtype
+        projected = is_projected(parameter.shape, row_shards(parameter), rank, group["shard_projector"],
+                                 projector_dtype.itemsize / parameter.dtype.itemsize)
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32)
             columns = rank if projected else None
@@ -97,6 +102,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         if projected and (step - 1) % group["update_every"] == 0:
             full = parameter.grad.full_tensor() if isinstance(parameter.grad, DTensor) else parameter.grad
             projector = top_right_singular_vectors(full, rank, seed=refresh_seed(group["seed"], step, index))
+            projector = projector.to(projector_dtype)
             state["projector"] = (distribute_tensor(projector, parameter.device_mesh, parameter.placements,
                                                     src_data_rank=None)
                                   if group["shard_projector"] and isinstance(parameter, DTensor) else projector)
@@ -104,6 +110,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
             projector = state["projector"]
             projector = projector.full_tensor() if isinstance(projector, DTensor) else projector
         if projected:
+            projector = projector.to(gradient.dtype)
             gradient = gradient @ projector
         beta1, beta2 = group["betas"]
         exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
@@ -117,14 +124,16 @@ class GaLoreAdamW(torch.optim.Optimizer):
         weight.add_(normalized, alpha=-group["lr"])
 
 
-def is_projected(shape: tuple[int, ...], row_shards: int, rank: int, shard_projector: bool) -> bool:
+def is_projected(shape: tuple[int, ...], row_shards: int, rank: int, shard_projector: bool,
+                 projector_size: float = 1.0) -> bool:
     """Whether GaLore projects a parameter of ``shape`` whose rows are split over ``row_shards`` ranks: a 2-D weight
-    whose smaller side exceeds ``rank``, and, with a replicated projector, only where projector (n x r) and moments
-    (2 x rows per rank x r) take less than AdamW's moments (2 x rows per rank x n)."""
+    whose smaller side exceeds ``rank``, and, with a replicated projector, only where projector (n x r, each element
+    ``projector_size`` times a moment's bytes) and moments (2 x rows per rank x r) take less than AdamW's moments
+    (2 x rows per rank x n)."""
     if len(shape) != 2 or min(shape) <= rank:
         return False
     rows, columns = -(-shape[0] // row_shards), shape[1]
-    return shard_projector or columns * rank + 2 * rows * rank < 2 * rows * columns
+    return shard_projector or projector_size * columns * rank + 2 * rows * rank < 2 * rows * columns
 
 
 def row_shards(parameter: torch.Tensor) -> int:
