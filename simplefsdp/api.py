@@ -9,10 +9,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.passes.bucket_plan import BucketMode, find_blocks
-from simplefsdp.passes.install import OverlapPasses, check_no_custom_post_pass, inductor_options
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.agreed_profile import agreed_profile
-from simplefsdp.runtime.compile import check_compile_options, compile_in_place
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
@@ -23,6 +21,14 @@ from simplefsdp.runtime.sharding import broadcast_buffers, check_not_sharded, ho
 from simplefsdp.runtime.tensor_parallel import tensor_parallel_mesh
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
+COMPILE_OPTIONS = ("fullgraph", "dynamic", "mode", "options", "disable")
+
+
+def check_compile_options(options: dict[str, Any]) -> None:
+    """Raise ``TypeError`` for a keyword that ``torch.compile`` does not take."""
+    if unknown := sorted(set(options) - set(COMPILE_OPTIONS)):
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; compile_sharded passes only these on to "
+                        f"torch.compile: {', '.join(COMPILE_OPTIONS)}")
 
 
 def agreed_arguments(arguments: dict[str, Any], backend: str | Callable) -> dict[str, Any]:
@@ -86,7 +92,8 @@ def compile_sharded(
         raise TypeError(f"compile_sharded expects a torch.nn.Module, got {type(model).__name__}; "
                         "wrap plain functions in an nn.Module first")
     passes = compile and backend == "inductor" and (buckets is not None or reorder)
-    if passes:
+    if passes:  # imported here, as compile_in_place below: an eager model never loads Dynamo and Inductor (seconds)
+        from simplefsdp.passes.install import OverlapPasses, check_no_custom_post_pass, inductor_options
         check_no_custom_post_pass(compile_options)
     check_not_sharded(model)
     if quantize is not None and quantize.reduce and quantize.error_feedback:
@@ -120,5 +127,6 @@ def compile_sharded(
         cast_floating_inputs(model, mp_policy.param_dtype)
     add_gradient_sync_methods(model, replicate.sync, functools.partial(reduce_pending, replicate))
     if compile:
+        from simplefsdp.runtime.compile import compile_in_place
         compile_in_place(model, backend, compile_options)
     return model

@@ -1,21 +1,23 @@
 """The ``simplefsdp`` command line: ``train``, ``inspect`` and ``bench``, each option shared by several defined once.
 
-Each command runs a library function on the parsed options; those modules never import this one.
+Each command runs a library module's ``run`` on the parsed options, importing that module only then (``--help`` and a
+launcher stay light); those modules never import this one.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
 import torch
 
-from simplefsdp import bench, inspection, train
 from simplefsdp.bench.contenders import CONTENDER_NAMES
 from simplefsdp.ir.hardware import PROFILE_NAMES
 from simplefsdp.models.llama import CONFIGS
 from simplefsdp.runtime.activation_checkpoint import AC_MODES
+from simplefsdp.runtime.fake_world import DEVICES
 from simplefsdp.runtime.fault_tolerance import SYNC_MODES
 from simplefsdp.runtime.mesh import MODES
 
@@ -162,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --optimizer galore: the projectors' storage (the parameter's own: float32)")
     command.add_argument("--galore-shard-projector", action="store_true",
                          help="with --optimizer galore: shard the projectors, all-gathered every step")
-    command.set_defaults(run=train.run)
+    command.set_defaults(module="simplefsdp.train")
 
     command = commands.add_parser("inspect", help="trace a reference model at any world size and predict its step",
                                   parents=[_workload("llama3-8b", 1, None, (torch.bfloat16, torch.float32)), _sharding(),
@@ -173,12 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--hardware", default="h100", help=f"{', '.join(PROFILE_NAMES)}, or a profile JSON path")
     command.add_argument("--replica-groups", type=int, default=1,
                          help="price train --fault-tolerant: groups of --world-size ranks averaging after backward")
-    command.add_argument("--device", default=None, choices=inspection.DEVICES,
+    command.add_argument("--device", default=None, choices=DEVICES,
                          help="trace on meta (any torch) or fake CUDA tensors (a CUDA build and a GPU; no GPU memory); "
                               "default cuda for a GPU --hardware where a GPU is visible, else meta")
     command.add_argument("--out", default=None, help="folder for each stage's graphs, plan.txt, summary.txt, "
                          "summary.json, timeline.png (with matplotlib) and trace.json")
-    command.set_defaults(run=inspection.run)
+    command.set_defaults(module="simplefsdp.inspection")
 
     command = commands.add_parser("bench", help="compare simplefsdp with FSDP2, DDP and a local baseline, side by side",
                                   parents=[_workload("cpu-small", 4, 128, (None, None)), _accumulation(), _local_ranks()])
@@ -191,11 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--from-json", default=None, metavar="PATH",
                          help="print the table, plot and check parity from a saved JSON instead of running")
     command.add_argument("--rank-output", default=None, help=argparse.SUPPRESS)
-    command.set_defaults(run=bench.run)
+    command.set_defaults(module="simplefsdp.bench")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    return args.run(args, argv)
+    return importlib.import_module(args.module).run(args, argv)

@@ -39,7 +39,7 @@ from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.passes.reorder import ReorderPlan
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
-from simplefsdp.runtime.fake_world import fake_world
+from simplefsdp.runtime.fake_world import DEVICES, fake_world
 from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES, check_tensor_parallel_world, data_parallel_groups
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 from simplefsdp.runtime.quantize import Quantize, quantize_option
@@ -287,8 +287,6 @@ def _mesh_shape(mode: str, world_size: int, devices_per_node: int, tp: int = 1) 
                          f"per node); pass a multiple of {per_node}, or a profile whose devices_per_node divides it")
     return (world_size // per_node, per_node)
 
-
-DEVICES = ("meta", "cuda")
 
 
 def check_device(profile: HardwareProfile, device: str | None = None) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from simplefsdp.ir.capture import capture_graphs
 from simplefsdp.ir.cpu_measure import measuring_threads
 from simplefsdp.ir.hardware import cpu_profile, gpu_profile
 from simplefsdp.ir.schedule import read_schedule
@@ -15,6 +14,8 @@ def step_flops(model_name: str, layers: int | None, batch_size: int, seq_len: in
     """FLOPs of one forward and backward of ``model_name`` (with ``layers`` blocks, if given) on ``batch_size`` x
     ``seq_len`` tokens, counted on an unsharded meta-device copy (sharding moves no FLOPs), without activation
     checkpointing's recomputation."""
+    from simplefsdp.ir.capture import capture_graphs  # imported here: tracing loads Dynamo, which an eager rank skips
+
     with torch.device("meta"):
         model = build_model(model_name, n_layers=layers)
     tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")

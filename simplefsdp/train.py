@@ -27,7 +27,6 @@ from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from simplefsdp.runtime.clip_grad import clip_grad_norm_
-from simplefsdp.runtime.compile import compiled_graphs, graph_cache_hits
 from simplefsdp.runtime.fault_tolerance import INSTALL, ReplicaGroup
 from simplefsdp.runtime.grad_sync import reduces_every_micro_batch
 from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks, launch_replica_groups
@@ -232,13 +231,14 @@ def train(args: argparse.Namespace) -> None:
 
     trained, step_times, losses, mfus, cross_group_bytes = [], [], [], [], []
     reduce_every = reduces_every_micro_batch(args.grad_accum_reduce, args.mode)
-    if args.compile:
+    if args.compile:  # imported here: an eager rank never loads Dynamo and Inductor
+        from simplefsdp.runtime.compile import compiled_graphs, graph_cache_hits
         say("compiling the forward and backward graphs in the first step ...", flush=True)
     begin = time.perf_counter()  # a step's time includes its quorum under --fault-tolerant
     for step in replicas.steps(start, args.steps) if replicas else range(start + 1, args.steps + 1):
         seq_len = step_seq_len(step, args.seq_len, args.seed) if args.variable_seq_len else args.seq_len
         batch = rank_batch(tokens, step, args.batch_size * args.grad_accum, seq_len, args.seed, data_rank, data_world)
-        graphs = compiled_graphs()
+        graphs = compiled_graphs() if args.compile else 0
         trained.append(step)
         micro_batches = batch.to(device).chunk(args.grad_accum)
         loss_sum = torch.zeros((), device=device)
@@ -267,7 +267,7 @@ def train(args: argparse.Namespace) -> None:
             hits, lookups = graph_cache_hits()
             cached = f" ({hits} of {lookups} graphs from Inductor's cache)" if lookups else ""
             say(f"compiled in {step_times[0]:.1f} s{cached}", flush=True)
-        note = "  recompiled" if len(step_times) > 1 and compiled_graphs() > graphs else ""
+        note = "  recompiled" if len(step_times) > 1 and args.compile and compiled_graphs() > graphs else ""
         if replicas:
             cross_group_bytes.append(replicas.sent_bytes)
             note += f"  cross-group {replicas.sent_bytes:,} B"

@@ -22,6 +22,22 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
+def test_the_launcher_loads_no_compiler_and_an_eager_model_no_inductor_compiler():
+    """``python -m simplefsdp train`` imports what its launcher needs, not Dynamo (which ranks import again); an eager
+    rank loads Dynamo (DTensor's ``distribute_tensor`` imports it) but not Inductor's compiler: seconds of CPU per
+    process. Compiling loads it."""
+    loaded = "print(sorted(name for name in COMPILER if name in sys.modules))"
+    code = ("import sys, torch; COMPILER = ('torch._dynamo', 'torch._inductor.compile_fx'); "
+            f"import simplefsdp.cli, simplefsdp.train; {loaded}; from simplefsdp import compile_sharded; "
+            "model = compile_sharded(torch.nn.Linear(4, 4), compile=False); model(torch.ones(2, 4)).sum().backward(); "
+            f"{loaded}")
+    eager = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert eager.stdout.splitlines() == ["[]", "['torch._dynamo']"], eager.stderr[-3000:]
+    compiled = subprocess.run([sys.executable, "-c", code.replace("compile=False", "backend='eager'")],
+                              capture_output=True, text=True, timeout=120)
+    assert compiled.stdout.splitlines()[-1] == "['torch._dynamo', 'torch._inductor.compile_fx']", compiled.stderr[-3000:]
+
+
 def test_train_on_two_ranks_from_a_text_file_announces_compilation_and_plots_the_loss_without_warnings(tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 200)

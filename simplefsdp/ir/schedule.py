@@ -12,7 +12,7 @@ import networkx as nx
 import torch
 import torch.distributed as dist
 from torch import fx
-from torch._inductor.fx_passes.control_dependencies import control_deps
+from torch._ops import HigherOrderOperator
 from torch.distributed.distributed_c10d import _resolve_process_group  # private, but the only way from a name
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils._pytree import tree_flatten, tree_map
@@ -142,8 +142,9 @@ _RNG_WRAPPERS = {torch.ops.higher_order.graphsafe_run_with_rng_state: 0, torch.o
 
 
 def pinned(fx_node: fx.Node) -> bool:
-    """Whether ``fx_node`` runs its op through Inductor's ``control_deps`` (``passes.inductor_internals.pin_order``)."""
-    return fx_node.target is control_deps
+    """Whether ``fx_node`` runs its op through Inductor's ``control_deps`` (``passes.inductor_internals.pin_order``),
+    known by name: reading a schedule needs no Inductor, whose import costs seconds."""
+    return isinstance(fx_node.target, HigherOrderOperator) and fx_node.target.name() == "control_deps"
 
 
 def _call(fx_node: fx.Node) -> _Call:

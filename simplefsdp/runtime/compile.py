@@ -23,15 +23,6 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-COMPILE_OPTIONS = ("fullgraph", "dynamic", "mode", "options", "disable")
-
-
-def check_compile_options(options: dict[str, Any]) -> None:
-    """Raise ``TypeError`` for a keyword that ``torch.compile`` does not take."""
-    if unknown := sorted(set(options) - set(COMPILE_OPTIONS)):
-        raise TypeError(f"unknown option(s) {', '.join(unknown)}; compile_sharded passes only these on to "
-                        f"torch.compile: {', '.join(COMPILE_OPTIONS)}")
-
 
 def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any]) -> None:
     """``module.compile(...)``, keeping the module object and ``state_dict`` keys; the first call names graph breaks.

@@ -6,8 +6,8 @@ import contextlib
 from typing import Iterator
 
 import torch.distributed as dist
-# private: the only way to empty DTensor's sharding-propagation caches, its Python one and its C++ fast path's
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+DEVICES = ("meta", "cuda")  # what a fake world traces on: the meta device, or fake CUDA tensors
 
 
 @contextlib.contextmanager
@@ -16,6 +16,9 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
     The body sees no DTensor state of an earlier world of this process, nor leaves any to a later one."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the only way to start "fake"
+    # private: the only way to empty DTensor's sharding-propagation caches, its Python one and its C++ fast path's
+    # (imported here, as FakeStore: torch.distributed.tensor.debug loads Dynamo, which a launcher does not need)
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already running in this process; inspect with world_size traces on "
