@@ -1,4 +1,5 @@
-"""Model FLOPs utilization: FLOPs counted on the IR's graphs over the hardware profile's peak."""
+"""Model FLOPs utilization: a step's FLOPs by PaLM's accounting (checked against the IR's count on the traced graphs
+in ``tests/test_mfu.py``) over the hardware profile's peak."""
 
 from __future__ import annotations
 
@@ -6,22 +7,19 @@ import torch
 
 from simplefsdp.ir.cpu_measure import measuring_threads
 from simplefsdp.ir.hardware import cpu_profile, gpu_profile
-from simplefsdp.ir.schedule import read_schedule
-from simplefsdp.models.llama import build_model
+from simplefsdp.models.llama import build_model, get_config
 
 
 def step_flops(model_name: str, layers: int | None, batch_size: int, seq_len: int) -> float:
     """FLOPs of one forward and backward of ``model_name`` (with ``layers`` blocks, if given) on ``batch_size`` x
-    ``seq_len`` tokens, counted on an unsharded meta-device copy (sharding moves no FLOPs), without activation
-    checkpointing's recomputation."""
-    from simplefsdp.ir.capture import capture_graphs  # imported here: tracing loads Dynamo, which an eager rank skips
-
+    ``seq_len`` tokens, without activation checkpointing's recomputation: 6 per matmul weight and token (forward 2,
+    backward 4; the embedding is a lookup and the norms' weights are elementwise) and attention's two matmuls,
+    ``12 * layers * batch * seq_len^2 * dim``. Counted from the shapes, not traced: tracing costs seconds per block."""
     with torch.device("meta"):
         model = build_model(model_name, n_layers=layers)
-    tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-    graphs = capture_graphs(model, (tokens,), fused_attention=False)
-    schedules = (read_schedule(graphs.forward, "forward"), read_schedule(graphs.backward, "backward"))
-    return sum(node.flops for schedule in schedules for node in schedule.nodes)
+    matmul_params = sum(p.numel() for p in model.parameters() if p.ndim == 2) - model.tok_embeddings.weight.numel()
+    tokens = batch_size * seq_len
+    return 6 * matmul_params * tokens + 12 * len(model.layers) * tokens * seq_len * get_config(model_name).dim
 
 
 def peak_flops_per_second(device: torch.device, dtype: torch.dtype) -> float | None:

@@ -1,4 +1,5 @@
-"""MFU's two halves: FLOPs counted on the IR's graphs, and the hardware profile's peak."""
+"""MFU's two halves: a step's FLOPs (PaLM's accounting, against the IR's count on the traced graphs), and the
+hardware profile's peak."""
 
 from __future__ import annotations
 
@@ -6,21 +7,27 @@ import dataclasses
 
 import torch
 
+import pytest
+
+from simplefsdp.ir.capture import capture_graphs
 from simplefsdp.ir.hardware import get_profile
+from simplefsdp.ir.schedule import read_schedule
 from simplefsdp.mfu import step_flops
-from simplefsdp.models.llama import build_model, get_config
+from simplefsdp.models.llama import build_model
 
 
-def test_step_flops_are_six_params_tokens_plus_attention():
-    """6 FLOPs per matmul weight per token (forward 2, backward 4), and attention's two matmuls:
-    4 * B * S^2 * dim per layer forward, twice that backward, so 12 * L * B * S^2 * dim.
-    The embedding (a lookup) and the norms' weights (elementwise) take part in no matmul."""
-    batch, seq = 2, 32
-    config = get_config("debug")
-    model = build_model("debug")
-    matmul_params = sum(p.numel() for p in model.parameters() if p.ndim == 2) - model.tok_embeddings.weight.numel()
-    expected = 6 * matmul_params * batch * seq + 12 * config.n_layers * batch * seq**2 * config.dim
-    assert step_flops("debug", None, batch, seq) == expected
+@pytest.mark.parametrize("model_name, layers, batch, seq", [("debug", None, 2, 32), ("cpu-small", 1, 1, 48)])
+def test_step_flops_are_the_flops_of_the_traced_forward_and_backward(model_name, layers, batch, seq):
+    """PaLM's accounting (6 FLOPs per matmul weight per token, attention's 12 * L * B * S^2 * dim) equals, exactly,
+    the FLOPs of every node of the forward and backward graphs traced from the model (attention unfused, as
+    ``torch.utils.flop_counter`` counts each matmul)."""
+    with torch.device("meta"):
+        model = build_model(model_name, n_layers=layers)
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    graphs = capture_graphs(model, (tokens,), fused_attention=False)
+    traced = sum(node.flops for graph, stage in ((graphs.forward, "forward"), (graphs.backward, "backward"))
+                 for node in read_schedule(graph, stage).nodes)
+    assert traced > 0 and step_flops(model_name, layers, batch, seq) == traced
 
 
 def test_peak_is_the_data_sheet_for_gpus_and_the_measured_rate_for_cpus():
