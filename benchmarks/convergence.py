@@ -37,6 +37,7 @@ RUNS = {"low_bit": {
     "GaLore r=64, T=200, sharded projector": [*GALORE, "--galore-shard-projector"],
     "GaLore r=64, T=200, lr 1e-2": [*GALORE, "--lr", "1e-2"],  # GaLore's lr for its small Llamas (scale 0.25)
     "GaLore r=64, T=200, lr 1e-2, sharded projector": [*GALORE, "--lr", "1e-2", "--galore-shard-projector"],
+    "GaLore r=64, T=200, lr 1e-2, bf16 projector": [*GALORE, "--lr", "1e-2", "--galore-projector-dtype", "bfloat16"],
 }}
 
 
