@@ -166,6 +166,8 @@ def test_semi_synchronous_groups_agree_where_the_mode_says_count_their_bytes_and
     again = train(*GROUPS, *SYNC[mode], "--steps", "8", "--checkpoint-dir", str(resumed), "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("resumed from") == 2 and "step    4/8" not in again.stdout
+    # a resumed job starts with every group: one joining later would heal, taking the other's state for its own
+    assert all(k == 2 and ok for group in (0, 1) for _, _, k, ok in steps(again.stdout, group)), again.stdout
     for group in (0, 1):
         assert_same_checkpoint(checkpoint_path(straight / f"group-{group}", 8),
                                checkpoint_path(resumed / f"group-{group}", 8), tmp_path)

@@ -83,14 +83,16 @@ class ReplicaGroup:
 
     def steps(self, start: int, last: int, join_seconds: float = 60.0) -> Iterator[int]:
         """The steps to train after ``start`` up to ``last``. Each joins its quorum first, healing this group if it is
-        behind; a fresh job waits up to ``join_seconds`` for every group, so it starts with all of them."""
+        behind. A job's first start, new or resumed, waits up to ``join_seconds`` for every group, so it starts with
+        all of them: a group that joined later would heal, taking another group's state for its own (its momentum
+        under ``demo``, its inner AdamW under ``diloco``). A group restarted after a failure joins at once."""
         if start:
             self.manager.load_state_dict({"step": start, "batches_committed": 0})
         deadline = time.monotonic() + join_seconds
-        fresh = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not start
+        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         while True:
             self.manager.start_quorum()
-            if fresh and self.manager.current_step() == 0 and self.participants < self.groups \
+            if first_start and self.manager.current_step() == start and self.participants < self.groups \
                     and time.monotonic() < deadline:
                 self.manager.report_error(RuntimeError("waiting for every replica group to join the first step"))
                 self.manager.should_commit()
