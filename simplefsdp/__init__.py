@@ -1,7 +1,7 @@
 """simplefsdp: Fully Sharded Data Parallel compiled by ``torch.compile``.
 
-The public names load on first use (PEP 562): a launcher or an eager rank that never compiles never imports Dynamo
-and Inductor, which cost seconds of CPU per process.
+The public names load on first use (PEP 562): a launcher never imports Dynamo and Inductor, nor an eager rank
+Inductor's compiler, which cost seconds of CPU per process.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def compile_sharded(
         raise TypeError(f"compile_sharded expects a torch.nn.Module, got {type(model).__name__}; "
                         "wrap plain functions in an nn.Module first")
     passes = compile and backend == "inductor" and (buckets is not None or reorder)
-    if passes:  # imported here, as compile_in_place below: an eager model never loads Dynamo and Inductor (seconds)
+    if passes:  # imported here, as compile_in_place below: an eager model never loads Inductor's compiler (seconds)
         from simplefsdp.passes.install import OverlapPasses, check_no_custom_post_pass, inductor_options
         check_no_custom_post_pass(compile_options)
     check_not_sharded(model)

@@ -288,7 +288,6 @@ def _mesh_shape(mode: str, world_size: int, devices_per_node: int, tp: int = 1) 
     return (world_size // per_node, per_node)
 
 
-
 def check_device(profile: HardwareProfile, device: str | None = None) -> str:
     """``device``, or the default for ``profile`` (``cuda`` for a GPU profile where a CUDA device is present, else
     ``meta``); ``ValueError`` naming the fix when this torch cannot trace it."""

@@ -231,7 +231,7 @@ def train(args: argparse.Namespace) -> None:
 
     trained, step_times, losses, mfus, cross_group_bytes = [], [], [], [], []
     reduce_every = reduces_every_micro_batch(args.grad_accum_reduce, args.mode)
-    if args.compile:  # imported here: an eager rank never loads Dynamo and Inductor
+    if args.compile:  # imported here: an eager rank never loads Inductor's compiler
         from simplefsdp.runtime.compile import compiled_graphs, graph_cache_hits
         say("compiling the forward and backward graphs in the first step ...", flush=True)
     begin = time.perf_counter()  # a step's time includes its quorum under --fault-tolerant
