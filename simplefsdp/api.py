@@ -53,6 +53,7 @@ def compile_sharded(
     memory_budget: int | None = None,
     blocks: list[str] | None = None,
     quantize: Quantize | None = None,
+    compile_blocks_once: bool = False,
     **compile_options: Any,
 ) -> ModuleT | Callable[[ModuleT], ModuleT]:
     """Shard ``model``'s parameters over the data-parallel mesh and compile its forward, in place.
@@ -69,6 +70,8 @@ def compile_sharded(
     sinks waits. ``blocks`` names the repeated blocks (default: ``find_blocks(model)``). All-reduces (``replicate``,
     ``hybrid_shard``) are merged from per-block units up to DDP's 25 MiB (``"auto"``) or bucketed by bytes as DDP's
     (``"block"``). ``quantize`` (``Quantize``) sends weights and gradients in low-bit formats.
+    ``compile_blocks_once`` compiles the compute of each distinct block once and reuses it for its repeats
+    (``runtime/block_regions.py``): cold compile grows less with depth.
 
     FSDP x TP: apply ``parallelize_module(model, mesh_2d["tp"], plan)`` first, then pass ``mesh=mesh_2d["dp"]``;
     TP's DTensor parameters are sharded over dp as well, and the passes touch only the data-parallel collectives.
@@ -104,6 +107,13 @@ def compile_sharded(
     if tp_mesh is not None and quantize is not None:
         raise ValueError("quantize does not support tensor-parallel (DTensor) parameters yet; pass quantize=None "
                          "with parallelize_module, or drop tensor parallelism to quantize")
+    if tp_mesh is not None and compile_blocks_once:
+        raise ValueError("compile_blocks_once does not run tensor-parallel blocks yet (a region takes plain tensors, "
+                         "not parallelize_module's DTensors); pass compile_blocks_once=False with parallelize_module")
+    block_fqns = find_blocks(model) if blocks is None else tuple(blocks)
+    if compile_blocks_once:
+        from simplefsdp.runtime.block_regions import check_block_regions
+        check_block_regions(model, block_fqns)
     values = holds_values(model)
     if values:  # a meta model gets its shards from materialize_sharded; a fake one (inspect's) is only traced
         model.to(mesh.device_type)
@@ -113,9 +123,15 @@ def compile_sharded(
         broadcast_buffers(model, mesh)
     if passes:  # "auto" buckets are priced on the hardware rank 0 computes on, the same numbers on every rank
         overlap = OverlapPasses(buckets, reorder, prefetch, memory_budget, agreed_profile(mesh.device_type),
-                                find_blocks(model) if blocks is None else blocks, data_parallel_groups(mesh),
+                                block_fqns, data_parallel_groups(mesh),
                                 agreement_groups(mesh, tp_mesh))
         compile_options = inductor_options(overlap, compile_options)
+    if compile_blocks_once and backend == "inductor":
+        from simplefsdp.passes.region_inputs import RecomputeRegionInputs
+        # Inductor 2.13 reuses a buffer that a later block's region call still reads: wrong norm gradients
+        options = {**(compile_options.get("options") or {}), "allow_buffer_reuse": False,
+                   "joint_custom_pre_pass": RecomputeRegionInputs()}
+        compile_options = {**compile_options, "options": options}
 
     mp_policy = mp_policy or MixedPrecision()
     replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,
@@ -126,6 +142,9 @@ def compile_sharded(
     if mp_policy.param_dtype is not None:
         cast_floating_inputs(model, mp_policy.param_dtype)
     add_gradient_sync_methods(model, replicate.sync, functools.partial(reduce_pending, replicate))
+    if compile_blocks_once:  # the blocks found before sharding, which gives each module a class of its own
+        from simplefsdp.runtime.block_regions import install_block_regions
+        install_block_regions(model, block_fqns, replicate)
     if compile:
         from simplefsdp.runtime.compile import compile_in_place
         compile_in_place(model, backend, compile_options)

@@ -86,6 +86,9 @@ def _sharding() -> argparse.ArgumentParser:
                         help="bucketing of the collectives (auto; none: one collective per parameter)")
     parser.add_argument("--no-reorder", dest="reorder", action="store_false",
                         help="keep the traced order of the collectives (no prefetching, no sunk waits)")
+    parser.add_argument("--compile-blocks-once", action="store_true",
+                        help="compile each distinct block's compute once for all its repeats (cold compile grows "
+                             "less with depth); needs --no-reshard")
     parser.add_argument("--prefetch", type=int, default=1, help="all-gather buckets issued ahead (1)")
     parser.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
                         help="gathered parameter bytes in flight that --buckets auto may use")

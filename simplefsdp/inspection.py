@@ -37,6 +37,7 @@ from simplefsdp.models.llama_tp import check_tensor_parallel, tensor_parallel_pl
 from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan, find_blocks
 from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.options import check_pass_options
+from simplefsdp.passes.region_inputs import recompute_region_inputs
 from simplefsdp.passes.reorder import ReorderPlan
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.runtime.fake_world import DEVICES, fake_world
@@ -192,6 +193,7 @@ def inspect(
     device: str | None = None,
     tp: int = 1,
     tp_plan: dict[str, ParallelStyle] | None = None,
+    compile_blocks_once: bool = False,
 ) -> InspectReport:
     """Trace ``model`` as ``compile_sharded`` shards it on ``world_size`` ranks (default 1), run our passes, predict.
     ``rank``: the rank whose graphs are traced (its shards and coordinate; the plans must not depend on it).
@@ -209,7 +211,8 @@ def inspect(
     ``replica_groups`` > 1 prices ``train --fault-tolerant``: that many groups of ``world_size`` ranks exchanging
     after backward as ``replica_sync`` says (``replica_sync_price``'s keywords; default: averaging gradient shards). ``tp`` > 1 prices FSDP x TP on a ``(world_size // tp, tp)``
     mesh: ``parallelize_module`` with ``tp_plan`` (default: the reference Llama's, ``models/llama_tp.py``) over tp,
-    then ``fully_shard`` over dp.
+    then ``fully_shard`` over dp. ``compile_blocks_once``: as ``compile_sharded``'s, and each distinct block is traced
+    once.
     """
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size
@@ -242,8 +245,10 @@ def inspect(
                                data_parallel_groups(mesh))
         # Sharded by compile_sharded itself, so the graphs traced here are those that run.
         compile_sharded(copy_model, mesh=mesh, mode=mode, mp_policy=mp_policy,
-                        reshard_after_forward=reshard_after_forward, compile=False, quantize=quantize)
-        graphs = capture_graphs(copy_model, copy_inputs, dynamic=dynamic, fused_attention=device == "meta")
+                        reshard_after_forward=reshard_after_forward, compile=False, quantize=quantize,
+                        compile_blocks_once=compile_blocks_once)
+        graphs = capture_graphs(copy_model, copy_inputs, dynamic=dynamic, fused_attention=device == "meta",
+                                joint_pass=recompute_region_inputs if compile_blocks_once else None)
         # The captured graphs are ours: the passes rewrite them in place, and each stage keeps its schedule.
         forward_stages = list(passes.stages(graphs.forward, "forward", graphs.param_fqns))
         backward_stages = list(passes.stages(graphs.backward, "backward", graphs.param_fqns))
@@ -365,7 +370,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
             activation_checkpointing=args.activation_checkpointing, loss_fn=_next_token_loss,
             quantize=quantize_option(args),
-            replica_groups=args.replica_groups, device=device, tp=args.tp, replica_sync=dict(
+            replica_groups=args.replica_groups, device=device, tp=args.tp, compile_blocks_once=args.compile_blocks_once,
+            replica_sync=dict(
                 sync=args.replica_sync, sync_every=args.sync_every, chunk=args.demo_chunk, top_k=args.demo_top_k))
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None

@@ -165,7 +165,7 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
         model, mesh=mesh, mode=args.mode, mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
         reshard_after_forward=args.reshard_after_forward, compile=args.compile, backend=args.backend,
         buckets=args.buckets, reorder=args.reorder, prefetch=args.prefetch, memory_budget=args.memory_budget,
-        quantize=quantize_option(args),
+        quantize=quantize_option(args), compile_blocks_once=args.compile_blocks_once,
     )
     if args.init_on_meta:
         torch.manual_seed(args.seed)

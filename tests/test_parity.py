@@ -58,6 +58,9 @@ TWO_RANK_JOBS = {
         for name, options in (("eager", EAGER), ("inductor", INDUCTOR))
     },
     "graph_break-inductor": ("graph_break", "simplefsdp", INDUCTOR),
+    # each block's compute compiled once, beside the whole graph
+    **{f"{scenario}-blocks-once-inductor": (scenario, "simplefsdp", {**INDUCTOR, "compile_blocks_once": True})
+       for scenario in ("llama", "tied_llama")},
     "linear_7x5-passes-off-inductor": ("linear_7x5", "simplefsdp", PASSES_OFF),
 }
 HYBRID = {"mode": "hybrid_shard", "mesh_shape": (2, 2)}
@@ -120,6 +123,17 @@ def test_passes_leave_numerics_bitwise_unchanged(results, job):
         assert ours["grad_digests"] == without["grad_digests"]  # every step's gradient shards, bitwise
         assert all(torch.equal(a, b) for a, b in zip(ours["losses"], without["losses"]))
         assert all(torch.equal(ours["params"][n], without["params"][n]) for n in without["params"])
+
+
+@pytest.mark.parametrize("scenario", ["llama", "tied_llama"])
+def test_blocks_compiled_once_are_bitwise_the_whole_graph(results, scenario):
+    """A block's compute in a region runs the ops of the whole graph in the same order (Inductor fuses within each
+    block alike): every step's gradient shards, losses and parameters are bitwise the whole-graph path's."""
+    whole = "fully_shard-inductor" if scenario == "llama" else f"{scenario}-inductor"
+    for ours, reference in zip(results[f"{scenario}-blocks-once-inductor"], results[whole]):
+        assert ours["grad_digests"] == reference["grad_digests"]
+        assert all(torch.equal(a, b) for a, b in zip(ours["losses"], reference["losses"]))
+        assert all(torch.equal(ours["params"][n], reference["params"][n]) for n in reference["params"])
 
 
 def test_aot_eager_is_bitwise_fsdp2_eager(results):

@@ -41,7 +41,8 @@ class TraceError(RuntimeError):
 
 
 def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: bool = True,
-                   dynamic: bool = False) -> CapturedGraphs:
+                   dynamic: bool = False, joint_pass: Callable[[fx.GraphModule], object] | None = None
+                   ) -> CapturedGraphs:
     """Compile ``model``, run it once forward and backward on ``example_inputs``, return its graphs.
 
     With ``fused_attention`` an unmasked ``scaled_dot_product_attention`` is traced as the flash kernel a GPU runs,
@@ -54,7 +55,7 @@ def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: 
     def record_inputs(inputs: list) -> None:
         dynamo_inputs[:] = [names.get(id(value)) for value in inputs]
 
-    backend = fx_backend(graphs.__setitem__, record_inputs, fused_attention=fused_attention)
+    backend = fx_backend(graphs.__setitem__, record_inputs, fused_attention=fused_attention, joint_pass=joint_pass)
 
     def call(*inputs):  # the model's forward hooks join its graph, as in compile_sharded's compiled call
         return model(*inputs)
@@ -81,7 +82,8 @@ def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: 
 
 
 def fx_backend(on_graph: Callable[[str, fx.GraphModule], None] | None = None,
-               on_inputs: Callable[[list], None] | None = None, *, fused_attention: bool = False) -> Callable:
+               on_inputs: Callable[[list], None] | None = None, *, fused_attention: bool = False,
+               joint_pass: Callable[[fx.GraphModule], object] | None = None) -> Callable:
     """A ``torch.compile`` backend: AOTAutograd split as Inductor does it, graphs run as plain FX.
 
     ``on_graph(phase, gm)`` sees the forward and the backward graph, ``on_inputs`` Dynamo's example inputs. Used
@@ -95,7 +97,7 @@ def fx_backend(on_graph: Callable[[str, fx.GraphModule], None] | None = None,
     aot_backend = aot_autograd(
         fw_compiler=functools.partial(compile_graph, "forward"),
         bw_compiler=functools.partial(compile_graph, "backward"),
-        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+        partition_fn=functools.partial(_partition, joint_pass),
         decompositions=select_decomp_table(),
     )
 
@@ -104,10 +106,27 @@ def fx_backend(on_graph: Callable[[str, fx.GraphModule], None] | None = None,
             _use_fused_attention(gm)
         if on_inputs is not None:
             on_inputs(inputs)
-        with _composites_differentiable_on_meta():  # AOTAutograd traces the joint graph here
+        with _composites_differentiable_on_meta(), views_recomputed_for_regions(gm):  # AOTAutograd traces here
             return aot_backend(gm, inputs)
 
     return backend
+
+
+def _partition(joint_pass: Callable[[fx.GraphModule], object] | None, joint: fx.GraphModule, *args, **kwargs):
+    """Inductor's min-cut partition of ``joint``, after ``joint_pass`` if any."""
+    if joint_pass is not None:
+        joint_pass(joint)
+        joint.recompile()
+    return min_cut_rematerialization_partition(joint, *args, compiler="inductor", **kwargs)
+
+
+def views_recomputed_for_regions(gm: fx.GraphModule) -> contextlib.AbstractContextManager:
+    """For a Dynamo graph with compiled-once blocks (``invoke_subgraph``): partition with ``recompute_views``, so a
+    region's forward saves a weight it reads, not the weight's transpose, and ``recompute_region_inputs`` can point
+    the backward at the gathered weight (regathered in backward); else nothing."""
+    if gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
+        return torch._functorch.config.patch(recompute_views=True)
+    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager

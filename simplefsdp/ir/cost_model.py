@@ -25,6 +25,8 @@ def node_time(node: ScheduleNode, hardware: HardwareProfile, dtype: torch.dtype 
         return 0.0
     if node.alias_of is not None:
         return hardware.dispatch_overhead
+    if node.parts:  # a block compiled once costs what its nodes would in the whole graph
+        return sum(node_time(part, hardware, dtype) for part in node.parts)
     launch = hardware.dispatch_overhead + hardware.kernel_overhead
     return launch + max(node.flops / hardware.matmul_rate(dtype or torch.float32),
                         (node.bytes_read + node.bytes_written) / hardware.memory_bandwidth)

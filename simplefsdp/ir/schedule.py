@@ -24,7 +24,7 @@ COMPUTE, COLLECTIVE, WAIT = "compute", "collective", "wait"
 
 _functional = torch.ops._c10d_functional
 # Collective op → (kind, index of the group-size argument or None, which buffer is the full size).
-_COLLECTIVES = {
+COLLECTIVE_OPS = {
     _functional.all_gather_into_tensor.default: ("all_gather", 1, "output"),
     _functional.all_gather_into_tensor_coalesced.default: ("all_gather", 1, "output"),
     _functional.all_gather_into_tensor_out.default: ("all_gather", 1, "output"),
@@ -65,6 +65,7 @@ class ScheduleNode:
     alias_of: str | None = None
     collective: Collective | None = None
     waits_for: str | None = None
+    parts: tuple[ScheduleNode, ...] = ()  # a block compiled once (``invoke_subgraph``): the nodes of its subgraph
 
 
 @dataclass(frozen=True)
@@ -179,13 +180,24 @@ def _read_node(fx_node: fx.Node, fqns: dict[str, str]) -> ScheduleNode:
             source = source.args[0]
         return ScheduleNode(kind=WAIT, waits_for=source.name, alias_of=call.args[0].name, **common)
     common["bytes_written"] = _bytes_of(tree_flatten(fx_node.meta.get("val"))[0])
-    if target in _COLLECTIVES:
+    if target in COLLECTIVE_OPS:
         return ScheduleNode(kind=COLLECTIVE, collective=_read_collective(call, common["bytes_written"]), **common)
     if (alias := _aliased_input(call)) is not None:
         return ScheduleNode(kind=COMPUTE, alias_of=alias, **common)
+    if isinstance(target, HigherOrderOperator) and target.name() == "invoke_subgraph":
+        return _read_region(fx_node, call, common)
     read = dict.fromkeys(arg for arg in tree_flatten((call.args, call.kwargs))[0] if isinstance(arg, fx.Node))
     bytes_read = _bytes_of(arg.meta.get("val") for arg in read)
     return ScheduleNode(kind=COMPUTE, flops=_flops(fx_node, call), bytes_read=bytes_read, **common)
+
+
+def _read_region(fx_node: fx.Node, call: _Call, common: dict) -> ScheduleNode:
+    """A call of a block compiled once: its subgraph's nodes as ``parts``, their FLOPs and bytes summed."""
+    subgraph = getattr(fx_node.graph.owning_module, call.args[0].target)
+    fqns: dict[str, str] = {}
+    parts = tuple(_read_node(node, fqns) for node in subgraph.graph.nodes if node.op == "call_function")
+    return ScheduleNode(kind=COMPUTE, flops=sum(part.flops for part in parts), parts=parts,
+                        bytes_read=sum(part.bytes_read for part in parts), **common)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -227,7 +239,7 @@ def _flops(fx_node: fx.Node, call: _Call) -> int:
 
 
 def _read_collective(call: _Call, output_bytes: int) -> Collective:
-    kind, size_index, full_buffer = _COLLECTIVES[call.target]
+    kind, size_index, full_buffer = COLLECTIVE_OPS[call.target]
     ranks = group_ranks(call.args[-1])
     if size_index is not None and len(ranks) != call.args[size_index]:
         ranks = tuple(range(call.args[size_index]))

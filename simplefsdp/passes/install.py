@@ -16,7 +16,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from simplefsdp.ir.hardware import HardwareProfile, get_profile
-from simplefsdp.ir.schedule import Schedule, read_schedule
+from simplefsdp.ir.schedule import COLLECTIVE_OPS, Schedule, read_schedule
 from simplefsdp.passes.auto_buckets import plan_auto_buckets
 from simplefsdp.passes.bucket_apply import apply_buckets
 from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan, plan_buckets
@@ -50,6 +50,8 @@ class OverlapPasses(CustomGraphPass):
         self.plans: list[tuple[BucketPlan | None, ReorderPlan | None]] = []
 
     def __call__(self, graph: fx.Graph) -> None:
+        if not any(node.target in COLLECTIVE_OPS for node in graph.nodes):  # a block compiled once: compute only
+            return
         stages = list(self.stages(graph.owning_module, graph_phase(graph)))
         plans = {stage.name: stage.plan for stage in stages}
         self.plans.append((plans.get("bucketed"), plans.get("reordered")))

@@ -23,6 +23,8 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from simplefsdp.ir.capture import views_recomputed_for_regions
+
 
 def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any]) -> None:
     """``module.compile(...)``, keeping the module object and ``state_dict`` keys; the first call names graph breaks.
@@ -52,8 +54,9 @@ class InductorOncePerHost(_TorchCompileInductorWrapper):
     differ (uneven shards) hold different locks and compile side by side."""
 
     def __call__(self, model_, inputs_, *, config_patches=None):
-        return compile_fx(model_, inputs_, inner_compile=compile_graph_once_per_host,
-                          config_patches={**self.config, **(config_patches or {})}, compile_region_name=self.name)
+        with views_recomputed_for_regions(model_):
+            return compile_fx(model_, inputs_, inner_compile=compile_graph_once_per_host,
+                              config_patches={**self.config, **(config_patches or {})}, compile_region_name=self.name)
 
 
 def compile_graph_once_per_host(gm: torch.fx.GraphModule, example_inputs, **kwargs):

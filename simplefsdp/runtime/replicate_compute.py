@@ -120,6 +120,21 @@ class ReplicateComputation:
                               context_fn=_reshard_context)
         return self.compute_view(param, accumulator, error)
 
+    def gather_all(self, reads: list[tuple[nn.Module, str]]) -> list[torch.Tensor]:
+        """``getattr(module, name)`` for each of ``reads`` in one region recomputed in backward when resharding after
+        forward (not one per parameter); a parameter read twice is gathered once."""
+        if self.reshard_after_forward:
+            return checkpoint(self._gather_each, reads, use_reentrant=False, context_fn=_reshard_context)
+        return self._gather_each(reads)
+
+    def _gather_each(self, reads: list[tuple[nn.Module, str]]) -> list[torch.Tensor]:
+        gathered = dict(self.gathers.gathered or {})
+        for module, name in reads:
+            if (key := module._gather_keys[name]) not in gathered:
+                gathered[key] = self.compute_view(module._parameters[name], module._grad_accumulators[name],
+                                                  module._error_feedback[name])
+        return [gathered[module._gather_keys[name]] for module, name in reads]
+
 
 def install_getters(module: nn.Module, keys: dict[str, int], accumulators: dict[str, torch.Tensor],
                     errors: dict[str, torch.Tensor | None], replicate: ReplicateComputation) -> None:

@@ -1,0 +1,87 @@
+"""Compile a repeated block once: each block's compute runs in a ``torch.compiler.nested_compile_region``.
+
+A block (``passes.bucket_plan.find_blocks``) gathers all its parameters first, outside the region (one checkpoint,
+recomputed in backward when resharding after forward, instead of one per parameter), then calls the region with the
+gathered tensors: ``torch.func.functional_call`` of a copy of the block that holds no data. Blocks of one class and
+shapes share one region, so Dynamo traces its compute once, AOTAutograd partitions it once and Inductor compiles it
+once; the collectives stay in the outer graphs, where the passes bucket and reorder them, and the backward gathers a
+block again just before its backward region (``passes/region_inputs.py``).
+
+Costs: no fusion across a block's edge; collectives are named by their block (``layers.0``), not by the module that
+reads them; Inductor's buffer reuse is off for the model (torch 2.13 reused a buffer that a later region call still
+read: wrong gradients, ``test_parity``). Not yet: tensor-parallel blocks (a region takes plain tensors) and
+activation-checkpointed ones (their backward gathered every block at once).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+from simplefsdp.runtime.replicate_compute import ReplicateComputation
+
+
+def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: ReplicateComputation) -> None:
+    """Run each of ``model``'s ``blocks`` (FQNs, sharded by ``shard_parameters``) as gathers, then one shared region
+    per distinct block (not tensor-parallel ones: a region takes plain tensors, not DTensors)."""
+    regions: dict[tuple, Callable] = {}
+    for fqn in blocks:
+        block = model.get_submodule(fqn)
+        reads = [(prefix, module, name) for prefix, module in block.named_modules(remove_duplicate=False)
+                 for name in vars(module).get("_gather_keys", {})]
+        buffers = list(block.named_buffers())
+        names = [f"{prefix}.{name}".lstrip(".") for prefix, _, name in reads] + [name for name, _ in buffers]
+        shapes = [module._parameters[name].shape for _, module, name in reads] + [b.shape for _, b in buffers]
+        signature = (vars(block).get("_class_without_getters", type(block)), tuple(names), tuple(shapes), tuple(b.dtype for _, b in buffers))
+        if signature not in regions:
+            regions[signature] = _region(_template(block), names)
+        block.forward = functools.partial(_run_block, [read[1:] for read in reads], [buffer for _, buffer in buffers],
+                                          replicate, regions[signature])
+
+
+def _template(block: nn.Module) -> nn.Module:
+    """A copy of ``block`` that holds no data: its modules' own classes (no gathering getters), no sharding state,
+    forwards unwrapped; ``functional_call`` gives it every parameter and buffer."""
+    state = [tensor for module in block.modules() for key in ("_grad_accumulators", "_error_feedback")
+             for tensor in vars(module).get(key, {}).values()]
+    memo = {id(tensor): None for tensor in itertools.chain(block.parameters(), block.buffers(), state)}
+    template = copy.deepcopy(block, memo)
+    for module in template.modules():
+        if "_class_without_getters" in vars(module):
+            module.__class__ = module._class_without_getters
+        for key in ("forward", "_gather_keys", "_grad_accumulators", "_error_feedback", "_class_without_getters"):
+            vars(module).pop(key, None)
+    return template
+
+
+def _region(template: nn.Module, names: list[str]) -> Callable:
+    """The nested compile region that runs ``template`` on given tensors (``names``' values) and arguments."""
+
+    def compute(tensors: list[torch.Tensor], args: tuple, kwargs: dict):
+        return functional_call(template, dict(zip(names, tensors)), args, kwargs, tie_weights=False)
+
+    return torch.compiler.nested_compile_region(compute)
+
+
+def _run_block(reads: list[tuple[nn.Module, str]], buffers: list[torch.Tensor], replicate: ReplicateComputation,
+               region: Callable, *args, **kwargs):
+    """Gather the block's parameters (``reads``), then run its compute in ``region``."""
+    return region(replicate.gather_all(reads) + buffers, args, kwargs)
+
+
+def check_block_regions(model: nn.Module, blocks: tuple[str, ...]) -> None:
+    """``ValueError`` naming the fix for a block ``install_block_regions`` cannot run: one whose forward is wrapped in
+    activation checkpointing (its backward would gather every block's parameters at once)."""
+    for fqn in blocks:
+        forward = vars(model.get_submodule(fqn)).get("forward")
+        if isinstance(forward, functools.partial) and forward.func is checkpoint:
+            raise ValueError(f"compile_blocks_once does not run activation-checkpointed blocks yet ({fqn!r}: its "
+                             "backward would gather every block's parameters at once); pass compile_blocks_once=False "
+                             "with activation checkpointing, or checkpoint nothing")

@@ -1,0 +1,112 @@
+"""``compile_blocks_once``: each block's compute is one call of a region shared by its repeats; the collectives stay in
+the outer graphs, bucketed and reordered as the whole-graph path's.
+
+Graphs on the fake process group in one process; the numerics against the single-process reference are
+``test_parity``'s ``blocks-once`` jobs (2 gloo ranks, tied and untied weights)."""
+
+import itertools
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+import simplefsdp
+from simplefsdp.models.llama import build_model
+from simplefsdp.runtime.mixed_precision import MixedPrecision
+
+LAYERS = 4
+
+
+def inspect_debug(compile_blocks_once: bool, **options):
+    torch.manual_seed(0)
+    model = build_model("debug", n_layers=LAYERS)
+    return simplefsdp.inspect(model, (torch.zeros(1, 128, dtype=torch.long),), world_size=8, hardware="h100",
+                              mp_policy=MixedPrecision(torch.bfloat16, torch.float32),
+                              compile_blocks_once=compile_blocks_once, **options)
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """The whole-graph path and compile_blocks_once."""
+    return {once: inspect_debug(once) for once in (False, True)}
+
+
+def unit(fqn: str) -> str:
+    """The block of ``fqn`` (``layers.3`` of ``layers.3.attention.wq``), or ``fqn`` outside the blocks."""
+    return ".".join(fqn.split(".")[:2]) if fqn.startswith("layers.") else fqn
+
+
+def collectives(schedule) -> Counter:
+    """How many collectives of each block (or module outside the blocks), kind, bytes and dtype."""
+    return Counter((unit(node.fqn), node.collective.kind, node.collective.bytes, str(node.collective.dtype))
+                   for node in schedule.collectives())
+
+
+def block_runs(schedule) -> list[tuple[str, str]]:
+    """The blocks' collectives in program order as runs of (block, kind)."""
+    rows = [(unit(node.fqn), node.collective.kind) for node in schedule.collectives()]
+    return [key for key, _ in itertools.groupby(row for row in rows if row[0].startswith("layers."))]
+
+
+def test_every_block_calls_the_one_region(reports):
+    """As traced, each block is one ``invoke_subgraph`` of one subgraph; after reordering (which pins some nodes in
+    ``control_deps``) still one call per block."""
+    for schedule in reports[True].stage("traced").schedules:
+        calls = re.findall(r"invoke_subgraph\(\w+, '(\w+)'", schedule.code)
+        assert len(calls) == LAYERS and len(set(calls)) == 1, (schedule.phase, calls)
+    for once, whole in zip(reports[True].schedules, reports[False].schedules):
+        assert sum(node.op == "invoke_subgraph" for node in once.nodes) == LAYERS
+        assert not any(node.op == "invoke_subgraph" for node in whole.nodes)
+
+
+def test_the_collectives_stay_outside_named_by_their_block(reports):
+    """Every gather and reduction is in the outer graph, where the passes bucket and reorder them: the whole graph's
+    collectives, each named by its block (a block's reads are gathered before its region, in the block's own module)
+    or as before outside the blocks."""
+    whole, once = reports[False].stage("traced"), reports[True].stage("traced")
+    for whole_schedule, once_schedule in zip(whole.schedules, once.schedules):
+        assert collectives(once_schedule) == collectives(whole_schedule)
+        names = {node.fqn for node in once_schedule.collectives()}
+        assert {f"layers.{index}" for index in range(LAYERS)} <= names
+        assert not [name for name in names if name.startswith("layers.") and name.count(".") > 1]
+
+
+def test_the_backward_gathers_each_block_again_just_before_its_gradients(reports):
+    """Resharded after forward: the backward gathers a block's parameters right before the block's backward region
+    and reduce-scatters its gradients after it, block by block, last block first (not all gathered up front)."""
+    runs = block_runs(reports[True].stage("traced").backward)
+    assert runs == [(f"layers.{index}", kind) for index in reversed(range(LAYERS))
+                    for kind in ("all_gather", "reduce_scatter")]
+
+
+def test_a_region_saves_no_more_than_the_whole_graph_and_is_priced_as_its_nodes(reports):
+    """The backward's inputs (what forward saves) are no larger than the whole graph's; the predicted step is the
+    whole graph's within 5% (a region costs what its nodes cost; the plans differ where the whole graph's buckets
+    split a block by module)."""
+    whole, once = reports[False], reports[True]
+    assert sum(i.bytes for i in once.backward.inputs) <= sum(i.bytes for i in whole.backward.inputs)
+    assert once.prediction.step_time == pytest.approx(whole.prediction.step_time, rel=0.05)
+
+
+def test_the_passes_bucket_each_block_whole(reports):
+    """Auto bucketing on the regions' schedule: each block's gathers and reductions in one bucket of their own."""
+    final = reports[True]
+    for plan in (final.stage("bucketed").forward_plan, final.stage("bucketed").backward_plan):
+        text = str(plan)
+        for index in range(LAYERS):
+            assert f" layers.{index}: 9 collective(s) [layers.{index}]" in text, text
+
+
+def test_a_region_costs_the_flops_of_its_compute(reports):
+    """The schedule counts a region's FLOPs from its subgraph (the cost model prices overlap from them): the matmuls
+    and attention are the whole graph's, exactly (PyTorch's formulas on the same shapes)."""
+    for whole, once in zip(reports[False].schedules, reports[True].schedules):
+        assert sum(node.flops for node in once.nodes) == sum(node.flops for node in whole.nodes) > 0
+
+
+def test_tensor_parallel_and_checkpointed_blocks_are_refused_before_any_collective():
+    with pytest.raises(ValueError, match="compile_blocks_once does not run tensor-parallel blocks yet"):
+        inspect_debug(True, tp=2)
+    with pytest.raises(ValueError, match="compile_blocks_once does not run activation-checkpointed blocks yet"):
+        inspect_debug(True, activation_checkpointing="full")
