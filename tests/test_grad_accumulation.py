@@ -37,7 +37,7 @@ def _accumulate_once(model, micro_batches, use_context_manager):
         yield
 
 
-def _accumulate(mode, mesh_shape, backend, use_context_manager):
+def _accumulate(mode, mesh_shape, backend, use_context_manager, compile_blocks_once=False):
     """Sharded accumulation vs. an unsharded model's gradient on the whole global batch, then collective counts.
 
     The gradients are compared from a cycle run without the counting mode (a dispatch
@@ -47,7 +47,7 @@ def _accumulate(mode, mesh_shape, backend, use_context_manager):
     model = build_model("debug")
     reference = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")) if mesh_shape else None
-    compile_sharded(model, mode=mode, mesh=mesh, backend=backend)
+    compile_sharded(model, mode=mode, mesh=mesh, backend=backend, compile_blocks_once=compile_blocks_once)
     world, rank = dist.get_world_size(), dist.get_rank()
     data = torch.randint(0, 256, (world * MICRO_BATCHES * 2, 17), generator=torch.Generator().manual_seed(1))
     micro_batches = data.chunk(world)[rank].chunk(MICRO_BATCHES)
@@ -68,14 +68,17 @@ def _accumulate(mode, mesh_shape, backend, use_context_manager):
 
 
 @pytest.mark.parametrize(
-    "mode, mesh_shape, backend, reduction, use_context_manager",
+    "mode, mesh_shape, backend, reduction, use_context_manager, compile_blocks_once",
     [
-        ("fully_shard", None, "inductor", "reduce_scatter_tensor", True),
-        ("hybrid_shard", (2, 1), "aot_eager", "all_reduce", False),
+        ("fully_shard", None, "inductor", "reduce_scatter_tensor", True, False),
+        ("fully_shard", None, "inductor", "reduce_scatter_tensor", False, True),
+        ("hybrid_shard", (2, 1), "aot_eager", "all_reduce", False, False),
     ],
 )
-def test_accumulation_matches_one_batch_and_defers_reduction(mode, mesh_shape, backend, reduction, use_context_manager):
-    for reductions, relative_error in run_on_ranks(2, _accumulate, mode, mesh_shape, backend, use_context_manager):
+def test_accumulation_matches_one_batch_and_defers_reduction(mode, mesh_shape, backend, reduction, use_context_manager,
+                                                             compile_blocks_once):
+    for reductions, relative_error in run_on_ranks(2, _accumulate, mode, mesh_shape, backend, use_context_manager,
+                                                   compile_blocks_once):
         # 4 micro-batches x 2 ranks x 2 sequences x 16 tokens: each weight gradient sums the same 256 token terms
         # as the reference, in another order (within LONGEST_REDUCTION): fp32 rounding of a forward+backward;
         # dividing each micro-batch's loss by 4 is exact.
