@@ -10,6 +10,8 @@ from collections import Counter
 
 import pytest
 import torch
+from ranks import run_on_ranks
+from torch import nn
 
 import simplefsdp
 from simplefsdp.models.llama import build_model
@@ -110,3 +112,34 @@ def test_tensor_parallel_and_checkpointed_blocks_are_refused_before_any_collecti
         inspect_debug(True, tp=2)
     with pytest.raises(ValueError, match="compile_blocks_once does not run activation-checkpointed blocks yet"):
         inspect_debug(True, activation_checkpointing="full")
+
+
+class ReluBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+class SineBlock(ReluBlock):  # the same parameters, another compute
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(self.linear(x)) * 3
+
+
+def _two_kinds_of_blocks() -> float:
+    """The largest difference between the output of a model of alternating blocks of two kinds with the same
+    parameter shapes, sharded with ``compile_blocks_once``, and the same model unsharded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ReluBlock(), SineBlock(), ReluBlock(), SineBlock())
+    x = torch.randn(4, 8)
+    expected = model(x)
+    simplefsdp.compile_sharded(model, compile_blocks_once=True, backend="aot_eager")
+    return (model(x) - expected).abs().max().item()
+
+
+def test_blocks_of_two_kinds_with_the_same_shapes_each_run_their_own_compute():
+    """Each kind gets its region; a region reused for the other kind would compute relu where sine is due. On 2 gloo
+    ranks with ``aot_eager``: the same ops as eager on the gathered weights, so bitwise."""
+    assert run_on_ranks(2, _two_kinds_of_blocks) == [0.0, 0.0]

@@ -10,7 +10,7 @@ block again just before its backward region (``passes/region_inputs.py``).
 Costs: no fusion across a block's edge; collectives are named by their block (``layers.0``), not by the module that
 reads them; Inductor's buffer reuse is off for the model (torch 2.13 reused a buffer that a later region call still
 read: wrong gradients, ``test_parity``). Not yet: tensor-parallel blocks (a region takes plain tensors) and
-activation-checkpointed ones (their backward gathered every block at once).
+activation-checkpointed ones (the partitioner recomputed every block, gathers included, at the start of backward).
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
                  for name in vars(module).get("_gather_keys", {})]
         buffers = list(block.named_buffers())
         names = [f"{prefix}.{name}".lstrip(".") for prefix, _, name in reads] + [name for name, _ in buffers]
-        shapes = [module._parameters[name].shape for _, module, name in reads] + [b.shape for _, b in buffers]
-        signature = (vars(block).get("_class_without_getters", type(block)), tuple(names), tuple(shapes), tuple(b.dtype for _, b in buffers))
+        tensors = [module._parameters[name] for _, module, name in reads] + [buffer for _, buffer in buffers]
+        signature = (vars(block).get("_class_without_getters", type(block)), tuple(names),
+                     tuple((tensor.shape, tensor.dtype) for tensor in tensors))
         if signature not in regions:
             regions[signature] = _region(_template(block), names)
         block.forward = functools.partial(_run_block, [read[1:] for read in reads], [buffer for _, buffer in buffers],
@@ -78,10 +79,11 @@ def _run_block(reads: list[tuple[nn.Module, str]], buffers: list[torch.Tensor], 
 
 def check_block_regions(model: nn.Module, blocks: tuple[str, ...]) -> None:
     """``ValueError`` naming the fix for a block ``install_block_regions`` cannot run: one whose forward is wrapped in
-    activation checkpointing (its backward would gather every block's parameters at once)."""
+    activation checkpointing (the partitioner recomputed every block, gathers included, at the start of backward, and
+    a selective policy sees a region as one op)."""
     for fqn in blocks:
         forward = vars(model.get_submodule(fqn)).get("forward")
         if isinstance(forward, functools.partial) and forward.func is checkpoint:
-            raise ValueError(f"compile_blocks_once does not run activation-checkpointed blocks yet ({fqn!r}: its "
-                             "backward would gather every block's parameters at once); pass compile_blocks_once=False "
-                             "with activation checkpointing, or checkpoint nothing")
+            raise ValueError(f"compile_blocks_once does not run activation-checkpointed blocks yet ({fqn!r}: the "
+                             "backward would recompute and gather every block at its start); pass "
+                             "compile_blocks_once=False with activation checkpointing, or checkpoint nothing")
