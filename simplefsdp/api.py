@@ -38,6 +38,10 @@ def agreed_arguments(arguments: dict[str, Any], backend: str | Callable) -> dict
     return {**agreed, "backend": backend if isinstance(backend, str) else getattr(backend, "__qualname__", "?")}
 
 
+DYNAMIC_REGIONS = ("compile_blocks_once with dynamic=True fails in torch 2.13's Dynamo (symbolic parameter shapes in a "
+                   "region); leave dynamic unset: shapes that change are compiled dynamic after the first change")
+
+
 def compile_sharded(
     model: ModuleT | None = None,
     *,
@@ -107,6 +111,8 @@ def compile_sharded(
     if tp_mesh is not None and quantize is not None:
         raise ValueError("quantize does not support tensor-parallel (DTensor) parameters yet; pass quantize=None "
                          "with parallelize_module, or drop tensor parallelism to quantize")
+    if compile_blocks_once and compile_options.get("dynamic"):
+        raise ValueError(DYNAMIC_REGIONS)
     if tp_mesh is not None and compile_blocks_once:
         raise ValueError("compile_blocks_once does not run tensor-parallel blocks yet (a region takes plain tensors, "
                          "not parallelize_module's DTensors); pass compile_blocks_once=False with parallelize_module")

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from simplefsdp import plots
-from simplefsdp.api import compile_sharded
+from simplefsdp.api import DYNAMIC_REGIONS, compile_sharded
 from simplefsdp.ir.cost_model import wire_bytes
 from simplefsdp.ir.capture import TraceError, capture_graphs
 from simplefsdp.ir.hardware import HardwareProfile, get_profile
@@ -221,6 +221,8 @@ def inspect(
         tp_plan = tp_plan or _llama_plan(model, tp)
     check_pass_options(model, buckets, reorder, prefetch, memory_budget)
     check_not_sharded(model)
+    if compile_blocks_once and dynamic:
+        raise ValueError(DYNAMIC_REGIONS)
     device = check_device(profile, device)
     mp_policy = mp_policy or MixedPrecision()
     # Fake CUDA tensors belong to one FakeTensorMode; meta tensors need none.
