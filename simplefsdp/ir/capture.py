@@ -3,8 +3,9 @@
 AOTAutograd runs with Inductor's decompositions and min-cut partitioner, so the split, checkpoint tags, saved tensors,
 collectives and their order are an Inductor compile's; Inductor's post-grad pattern passes are not run, so elementwise
 ops stay unfused. On meta or fake tensors nothing is allocated. Private details used only here: AOTAutograd's input
-descriptors (``node.meta["desc"]``), its ``_boxed_call`` marker, ``aten._scaled_dot_product_flash_attention``, and the
-Python dispatcher's kernel tables (``global_decomposition_table``, ``OpOverload.py_kernels``)."""
+descriptors (``node.meta["desc"]``), its ``_boxed_call`` marker, ``aten._scaled_dot_product_flash_attention``, the
+Python dispatcher's kernel tables (``global_decomposition_table``, ``OpOverload.py_kernels``), and for compiled-once
+blocks ``InvokeSubgraphHOP.gen_schema`` and the compile's ``InvokeSubgraphCache``."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from torch._C import DispatchKey
 from torch._decomp import global_decomposition_table
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._guards import detect_fake_mode
+from torch._guards import TracingContext, detect_fake_mode
+from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
 from torch._inductor.decomposition import select_decomp_table
 from torch._ops import OpOverload
 from torch.utils._pytree import tree_flatten
@@ -123,10 +125,39 @@ def _partition(joint_pass: Callable[[fx.GraphModule], object] | None, joint: fx.
 def views_recomputed_for_regions(gm: fx.GraphModule) -> contextlib.AbstractContextManager:
     """For a Dynamo graph with compiled-once blocks (``invoke_subgraph``): partition with ``recompute_views``, so a
     region's forward saves a weight it reads, not the weight's transpose, and ``recompute_region_inputs`` can point
-    the backward at the gathered weight (regathered in backward); else nothing."""
-    if gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
-        return torch._functorch.config.patch(recompute_views=True)
-    return contextlib.nullcontext()
+    the backward at the gathered weight (regathered in backward); and trace each region's schema once. Else nothing."""
+    if not gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._functorch.config.patch(recompute_views=True))
+    stack.enter_context(_region_schemas_traced_once())
+    return stack
+
+
+@contextlib.contextmanager
+def _region_schemas_traced_once() -> Iterator[None]:
+    """Inside, autograd's check that a region call mutates no input reads the schema of the region's first call in
+    this compile: torch 2.13 traces the region again for every call (0.1-0.5 s a block, AOTAutograd calls it three
+    times per block), where its functionalization already keeps one schema per (region, identifier, operand types)
+    in the compile's ``InvokeSubgraphCache``; this keeps the autograd check's there too."""
+    generate = InvokeSubgraphHOP.gen_schema
+
+    def gen_schema(hop, subgraph, identifier, *operands):
+        context = TracingContext.try_get()
+        cache = context.hop_dispatch_set_cache.get_cache(hop) if context is not None else None
+        if cache is None:
+            return generate(hop, subgraph, identifier, *operands)
+        key = ("autograd", id(subgraph), identifier, tuple(type(operand) for operand in operands))
+        if (schema := cache.get_functionalize_schema_entry(key)) is None:
+            schema = generate(hop, subgraph, identifier, *operands)
+            cache.add_functionalize_schema_entry(key, schema)
+        return schema
+
+    InvokeSubgraphHOP.gen_schema = gen_schema
+    try:
+        yield
+    finally:
+        InvokeSubgraphHOP.gen_schema = generate
 
 
 @contextlib.contextmanager
