@@ -12,6 +12,7 @@ import pytest
 import torch
 from ranks import run_on_ranks
 from torch import nn
+from torch._dynamo.utils import compilation_time_metrics
 
 import simplefsdp
 from simplefsdp.models.llama import build_model
@@ -30,8 +31,14 @@ def inspect_debug(compile_blocks_once: bool, **options):
 
 @pytest.fixture(scope="module")
 def reports():
-    """The whole-graph path and compile_blocks_once."""
-    return {once: inspect_debug(once) for once in (False, True)}
+    """The whole-graph path and compile_blocks_once; and how often Dynamo traced a region's compute or stamped out
+    one traced before ("dynamo")."""
+    whole = inspect_debug(False)
+    compilation_time_metrics.clear()
+    once = inspect_debug(True)
+    dynamo = {key: len(compilation_time_metrics.get(key, ()))
+              for key in ("invoke_subgraph_trace", "invoke_subgraph_reuse_stamp_out")}
+    return {False: whole, True: once, "dynamo": dynamo}
 
 
 def unit(fqn: str) -> str:
@@ -60,6 +67,12 @@ def test_every_block_calls_the_one_region(reports):
     for once, whole in zip(reports[True].schedules, reports[False].schedules):
         assert sum(node.op == "invoke_subgraph" for node in once.nodes) == LAYERS
         assert not any(node.op == "invoke_subgraph" for node in whole.nodes)
+
+
+def test_dynamo_traces_the_compute_of_a_block_once_and_stamps_out_its_repeats(reports):
+    """Dynamo's own reuse check traced every block (``functional_call`` swaps the template's tensors, a side effect
+    it refuses): a block's Python ran once per block instead of once."""
+    assert reports["dynamo"] == {"invoke_subgraph_trace": 1, "invoke_subgraph_reuse_stamp_out": LAYERS - 1}
 
 
 def test_the_collectives_stay_outside_named_by_their_block(reports):
@@ -126,15 +139,20 @@ class ReluBlock(nn.Module):
 
 
 class SineBlock(ReluBlock):  # the same parameters, another compute
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sin(self.linear(x)) * 3
+        return torch.sin(self.linear(x)) * self.scale
 
 
 def _two_kinds_of_blocks() -> float:
     """The largest difference between the output of a model of alternating blocks of two kinds with the same
-    parameter shapes, sharded with ``compile_blocks_once``, and the same model unsharded."""
+    parameter shapes (and of one kind with two settings), sharded with ``compile_blocks_once``, and the same model
+    unsharded."""
     torch.manual_seed(0)
-    model = nn.Sequential(ReluBlock(), SineBlock(), ReluBlock(), SineBlock())
+    model = nn.Sequential(ReluBlock(), SineBlock(3.0), ReluBlock(), SineBlock(0.5), ReluBlock(), SineBlock(3.0))
     x = torch.randn(4, 8)
     expected = model(x)
     simplefsdp.compile_sharded(model, compile_blocks_once=True, backend="aot_eager")
@@ -142,6 +160,36 @@ def _two_kinds_of_blocks() -> float:
 
 
 def test_blocks_of_two_kinds_with_the_same_shapes_each_run_their_own_compute():
-    """Each kind gets its region; a region reused for the other kind would compute relu where sine is due. On 2 gloo
-    ranks with ``aot_eager``: the same ops as eager on the gathered weights, so bitwise."""
+    """Each kind, and each setting of a kind (``scale``), gets its region; a region reused for another would compute
+    relu where sine is due, or the wrong scale. On 2 gloo ranks with ``aot_eager``: the same ops as eager on the
+    gathered weights, so bitwise."""
     assert run_on_ranks(2, _two_kinds_of_blocks) == [0.0, 0.0]
+
+
+class PairBlock(ReluBlock):
+    def forward(self, x: torch.Tensor, extra: object = None) -> tuple:
+        return torch.relu(self.linear(x)), extra
+
+
+class PairModel(nn.Module):
+    def __init__(self, extra: object) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(PairBlock() for _ in range(2))
+        self.extra = extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, self.extra)[0]
+        return x
+
+
+@pytest.mark.parametrize("extra, error", [
+    (None, r"only when it returns a tensor or a tuple of tensors; PairBlock returns a tuple of \(Tensor, NoneType\): "
+           "pass compile_blocks_once=False"),
+    (object(), "passes a block only tensors and constants .*; 'layers.0' got a object: pass compile_blocks_once=False"),
+])
+def test_blocks_that_take_or_return_other_objects_are_refused_naming_the_fix(fake_world, extra, error):
+    """Dynamo stamps out a traced block only for tensor outputs, and keys it by its arguments' values."""
+    model = simplefsdp.compile_sharded(PairModel(extra), compile_blocks_once=True, backend="aot_eager")
+    with pytest.raises(Exception, match=error):
+        model(torch.randn(4, 8))

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
@@ -39,12 +40,26 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
         buffers = list(block.named_buffers())
         names = [f"{prefix}.{name}".lstrip(".") for prefix, _, name in reads] + [name for name, _ in buffers]
         tensors = [module._parameters[name] for _, module, name in reads] + [buffer for _, buffer in buffers]
-        signature = (vars(block).get("_class_without_getters", type(block)), tuple(names),
-                     tuple((tensor.shape, tensor.dtype) for tensor in tensors))
+        signature = (_structure(block), tuple(names), tuple((tensor.shape, tensor.dtype) for tensor in tensors))
         if signature not in regions:
             regions[signature] = _region(_template(block), names)
-        block.forward = functools.partial(_run_block, [read[1:] for read in reads], [buffer for _, buffer in buffers],
-                                          replicate, regions[signature])
+        block.forward = functools.partial(_run_block, fqn, [read[1:] for read in reads],
+                                          [buffer for _, buffer in buffers], replicate, regions[signature])
+
+
+def _structure(block: nn.Module) -> tuple:
+    """What decides a block's compute besides its tensors: each module's class and plain settings (``layer_idx``,
+    ``is_sliding``, ``eps``, ``training``), so blocks that differ in any of them get regions of their own."""
+    return tuple((prefix, vars(module).get("_class_without_getters", type(module)),
+                  tuple(sorted((key, value) for key, value in vars(module).items()
+                               if not key.startswith("_") and _is_setting(value))))
+                 for prefix, module in block.named_modules(remove_duplicate=False))
+
+
+def _is_setting(value) -> bool:
+    if isinstance(value, tuple):
+        return all(map(_is_setting, value))
+    return value is None or isinstance(value, (bool, int, float, str, torch.dtype))
 
 
 def _template(block: nn.Module) -> nn.Module:
@@ -63,18 +78,58 @@ def _template(block: nn.Module) -> nn.Module:
 
 
 def _region(template: nn.Module, names: list[str]) -> Callable:
-    """The nested compile region that runs ``template`` on given tensors (``names``' values) and arguments."""
+    """The nested compile region that runs ``template`` on given tensors (``names``' values) and arguments.
+
+    Dynamo traces it once and stamps it out for every later call with the same ``reuse_key``: its own check, which
+    would trace every call again, refuses ``functional_call``'s swapping of the template's tensors."""
 
     def compute(tensors: list[torch.Tensor], args: tuple, kwargs: dict):
-        return functional_call(template, dict(zip(names, tensors)), args, kwargs, tie_weights=False)
+        output = functional_call(template, dict(zip(names, tensors)), args, kwargs, tie_weights=False)
+        if not isinstance(output, torch.Tensor) and not (
+                isinstance(output, (tuple, list)) and all(isinstance(item, torch.Tensor) for item in output)):
+            raise ValueError(f"compile_blocks_once reuses a block's code only when it returns a tensor or a tuple of "
+                             f"tensors; {type(template).__name__} returns {_kind(output)}: pass "
+                             "compile_blocks_once=False")
+        return output
 
-    return torch.compiler.nested_compile_region(compute)
+    region_id = id(template)
+
+    def reuse_key(tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> int:
+        """Equal for two calls of this region that can run the same traced code: every tensor's static sizes,
+        strides, dtype, device and whether it requires grad, every other argument's value (a symbolic size: -1)."""
+        return hash((region_id, *(_describe(leaf) for leaf in [*tensors, *tree_leaves((args, kwargs))])))
+
+    return torch.compiler.nested_compile_region(compute, reuse_hash_fn=reuse_key)
 
 
-def _run_block(reads: list[tuple[nn.Module, str]], buffers: list[torch.Tensor], replicate: ReplicateComputation,
-               region: Callable, *args, **kwargs):
-    """Gather the block's parameters (``reads``), then run its compute in ``region``."""
+def _describe(leaf) -> object:
+    if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return -1
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    return (tuple(size if isinstance(size, int) else -1 for size in leaf.shape),
+            tuple(step if isinstance(step, int) else -1 for step in leaf.stride()),
+            str(leaf.dtype), str(leaf.device), leaf.requires_grad)
+
+
+def _kind(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of ({', '.join(type(item).__name__ for item in value)})"
+    return type(value).__name__
+
+
+def _run_block(fqn: str, reads: list[tuple[nn.Module, str]], buffers: list[torch.Tensor],
+               replicate: ReplicateComputation, region: Callable, *args, **kwargs):
+    """Gather block ``fqn``'s parameters (``reads``), then run its compute in ``region``."""
+    for leaf in tree_leaves((args, kwargs)):
+        if not isinstance(leaf, (torch.Tensor, *_CONSTANTS)):
+            raise ValueError(f"compile_blocks_once passes a block only tensors and constants (None, bool, int, float, "
+                             f"str); {fqn!r} got a {type(leaf).__name__}: pass "
+                             "compile_blocks_once=False")
     return region(replicate.gather_all(reads) + buffers, args, kwargs)
+
+
+_CONSTANTS = (type(None), bool, int, float, str, torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def check_block_regions(model: nn.Module, blocks: tuple[str, ...]) -> None:
