@@ -13,8 +13,11 @@ COLLECTIVES = ("all_gather", "allgather", "reduce_scatter", "all_reduce", "allre
 
 class CountCollectives(TorchDispatchMode):
     """Counts the collective ops on floating-point data (any data with ``any_dtype``) dispatched while active, by op
-    name. Object collectives (pickled bytes, e.g. DCP's planning) are not counted unless ``any_dtype``.
+    name. Object collectives (pickled bytes, e.g. DCP's planning) are not counted unless ``any_dtype``. Higher-order
+    ops (a compiled-once block's ``invoke_subgraph``, which holds no collective) run as they are.
     """
+
+    supports_higher_order_operators = True
 
     def __init__(self, any_dtype: bool = False) -> None:
         super().__init__()

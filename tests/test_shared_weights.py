@@ -1,6 +1,7 @@
 """Weights read more than once (tied, or a module called twice; and Hugging Face's GPT-2) get the right gradient, with
-and without gradient accumulation, in every mode, under Inductor and with activation checkpointing; a tied weight and
-any pending accumulated sum are reduced once.
+and without gradient accumulation, in every mode, under Inductor and with activation checkpointing, and with each
+block compiled once (a weight tied inside a block; GPT-2's blocks); a tied weight and any pending accumulated sum are
+reduced once.
 
 One 2-rank launch runs every case; each case accumulates over 1, 2 and 4 micro-batches (sync off for all but the
 last) and compares every gradient with one process's gradient on the whole global batch.
@@ -66,6 +67,32 @@ class CalledTwice(TiedEmbedding):
         return self.output(self.block(self.block(self.embedding(tokens))))
 
 
+class TiedInBlocks(nn.Module):
+    """Repeated blocks, each reading one weight twice (``up`` and ``down`` tied, ALBERT-style within a block): with
+    ``compile_blocks_once`` a block gathers it once and its region reads it twice."""
+
+    def __init__(self, activation_checkpointing: bool = False) -> None:
+        super().__init__()
+        self.embedding, self.output = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB, bias=False)
+        self.layers = nn.ModuleList(TiedBlock() for _ in range(2))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embedding(tokens)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.output(hidden)
+
+
+class TiedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM, bias=False)
+        self.down.weight = self.up.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.down(torch.tanh(self.up(hidden)))
+
+
 class GPT2(nn.Module):
     """Hugging Face's GPT-2 (tiny, ``tests/zoo.py``): its output layer is its token embedding."""
 
@@ -89,6 +116,9 @@ CASES = {  # name: (model class, activation checkpointing, compile_sharded optio
     "twice-hybrid_shard-aot_eager": (CalledTwice, False, {"backend": "aot_eager", "mode": "hybrid_shard"}),
     "twice-fully_shard-eager-checkpointed": (CalledTwice, True, {"compile": False}),
     "gpt2-fully_shard-inductor": (GPT2, False, {}),
+    "tied_in_blocks-fully_shard-aot_eager-blocks_once": (TiedInBlocks, False,
+                                                         {"backend": "aot_eager", "compile_blocks_once": True}),
+    "gpt2-fully_shard-aot_eager-blocks_once": (GPT2, False, {"backend": "aot_eager", "compile_blocks_once": True}),
     # Hugging Face's own gradient checkpointing recomputes GPT-2's dropout, and AOTAutograd 2.13 then saves the DTensor
     # mesh among the tensors for backward and fails; simplefsdp's per-block checkpointing saves random ops instead
     "gpt2-replicate-aot_eager-checkpointed": (GPT2, True, {"backend": "aot_eager", "mode": "replicate"}),
