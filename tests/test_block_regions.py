@@ -186,7 +186,8 @@ class PairModel(nn.Module):
 @pytest.mark.parametrize("extra, error", [
     (None, r"only when it returns a tensor or a tuple of tensors; PairBlock returns a tuple of \(Tensor, NoneType\): "
            "pass compile_blocks_once=False"),
-    (object(), "passes a block only tensors and constants .*; 'layers.0' got a object: pass compile_blocks_once=False"),
+    (object(), "passes a block only tensors and constants .*; 'layers.0' got a object: stop passing it .* or pass "
+                 "compile_blocks_once=False"),
 ])
 def test_blocks_that_take_or_return_other_objects_are_refused_naming_the_fix(fake_world, extra, error):
     """Dynamo stamps out a traced block only for tensor outputs, and keys it by its arguments' values."""

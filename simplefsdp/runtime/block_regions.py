@@ -124,8 +124,8 @@ def _run_block(fqn: str, reads: list[tuple[nn.Module, str]], buffers: list[torch
     for leaf in tree_leaves((args, kwargs)):
         if not isinstance(leaf, (torch.Tensor, *_CONSTANTS)):
             raise ValueError(f"compile_blocks_once passes a block only tensors and constants (None, bool, int, float, "
-                             f"str); {fqn!r} got a {type(leaf).__name__}: pass "
-                             "compile_blocks_once=False")
+                             f"str); {fqn!r} got a {type(leaf).__name__}: stop passing it (a Hugging Face model's "
+                             "key-value cache: use_cache=False) or pass compile_blocks_once=False")
     return region(replicate.gather_all(reads) + buffers, args, kwargs)
 
 
