@@ -147,23 +147,46 @@ class SineBlock(ReluBlock):  # the same parameters, another compute
         return torch.sin(self.linear(x)) * self.scale
 
 
-def _two_kinds_of_blocks() -> float:
-    """The largest difference between the output of a model of alternating blocks of two kinds with the same
-    parameter shapes (and of one kind with two settings), sharded with ``compile_blocks_once``, and the same model
-    unsharded."""
+class DropoutBlock(ReluBlock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(torch.relu(self.linear(x)))
+
+
+def _blocks_of_two_kinds_and_modes() -> tuple[float, float]:
+    """The largest difference from the same model unsharded, sharded with ``compile_blocks_once``: of a model of
+    alternating blocks of two kinds with the same parameter shapes (and of one kind with two settings); and of a
+    model of dropout blocks, in eval mode after a training step."""
     torch.manual_seed(0)
     model = nn.Sequential(ReluBlock(), SineBlock(3.0), ReluBlock(), SineBlock(0.5), ReluBlock(), SineBlock(3.0))
     x = torch.randn(4, 8)
     expected = model(x)
     simplefsdp.compile_sharded(model, compile_blocks_once=True, backend="aot_eager")
-    return (model(x) - expected).abs().max().item()
+    kinds = (model(x) - expected).abs().max().item()
+    dropout = nn.Sequential(DropoutBlock(), DropoutBlock()).eval()
+    expected = dropout(x)
+    simplefsdp.compile_sharded(dropout.train(), compile_blocks_once=True, backend="aot_eager")
+    dropout(x).sum().backward()
+    return kinds, (dropout.eval()(x) - expected).abs().max().item()
 
 
-def test_blocks_of_two_kinds_with_the_same_shapes_each_run_their_own_compute():
+def test_blocks_of_two_kinds_with_the_same_shapes_each_run_their_own_compute_in_their_own_mode():
     """Each kind, and each setting of a kind (``scale``), gets its region; a region reused for another would compute
-    relu where sine is due, or the wrong scale. On 2 gloo ranks with ``aot_eager``: the same ops as eager on the
-    gathered weights, so bitwise."""
-    assert run_on_ranks(2, _two_kinds_of_blocks) == [0.0, 0.0]
+    relu where sine is due, or the wrong scale. Each mode too: after training, eval mode drops nothing (a region
+    traced in training mode would). On 2 gloo ranks with ``aot_eager``: the same ops as eager on the gathered
+    weights, so bitwise."""
+    assert run_on_ranks(2, _blocks_of_two_kinds_and_modes) == [(0.0, 0.0), (0.0, 0.0)]
+
+
+def test_a_block_in_two_modes_at_once_is_refused_naming_the_fix(fake_world):
+    model = simplefsdp.compile_sharded(nn.Sequential(DropoutBlock(), DropoutBlock()), compile_blocks_once=True,
+                                       backend="aot_eager")
+    model[1].dropout.eval()
+    with pytest.raises(Exception, match="'1' has modules in training and in eval mode: call .train"):
+        model(torch.randn(4, 8))
 
 
 class PairBlock(ReluBlock):

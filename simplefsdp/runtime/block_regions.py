@@ -32,7 +32,7 @@ from simplefsdp.runtime.replicate_compute import ReplicateComputation
 def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: ReplicateComputation) -> None:
     """Run each of ``model``'s ``blocks`` (FQNs, sharded by ``shard_parameters``) as gathers, then one shared region
     per distinct block (not tensor-parallel ones: a region takes plain tensors, not DTensors)."""
-    regions: dict[tuple, Callable] = {}
+    regions: dict[tuple, dict[bool, Callable]] = {}
     for fqn in blocks:
         block = model.get_submodule(fqn)
         reads = [(prefix, module, name) for prefix, module in block.named_modules(remove_duplicate=False)
@@ -42,17 +42,19 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
         tensors = [module._parameters[name] for _, module, name in reads] + [buffer for _, buffer in buffers]
         signature = (_structure(block), tuple(names), tuple((tensor.shape, tensor.dtype) for tensor in tensors))
         if signature not in regions:
-            regions[signature] = _region(_template(block), names)
-        block.forward = functools.partial(_run_block, fqn, [read[1:] for read in reads],
+            template = _template(block)
+            regions[signature] = {training: _region(copy.deepcopy(template).train(training), names)
+                                  for training in (True, False)}
+        block.forward = functools.partial(_run_block, fqn, block, [read[1:] for read in reads],
                                           [buffer for _, buffer in buffers], replicate, regions[signature])
 
 
 def _structure(block: nn.Module) -> tuple:
-    """What decides a block's compute besides its tensors: each module's class and plain settings (``layer_idx``,
-    ``is_sliding``, ``eps``, ``training``), so blocks that differ in any of them get regions of their own."""
+    """What decides a block's compute besides its tensors and its mode: each module's class and plain settings
+    (``layer_idx``, ``is_sliding``, ``eps``), so blocks that differ in any of them get regions of their own."""
     return tuple((prefix, vars(module).get("_class_without_getters", type(module)),
                   tuple(sorted((key, value) for key, value in vars(module).items()
-                               if not key.startswith("_") and _is_setting(value))))
+                               if not key.startswith("_") and key != "training" and _is_setting(value))))
                  for prefix, module in block.named_modules(remove_duplicate=False))
 
 
@@ -118,15 +120,20 @@ def _kind(value) -> str:
     return type(value).__name__
 
 
-def _run_block(fqn: str, reads: list[tuple[nn.Module, str]], buffers: list[torch.Tensor],
-               replicate: ReplicateComputation, region: Callable, *args, **kwargs):
-    """Gather block ``fqn``'s parameters (``reads``), then run its compute in ``region``."""
+def _run_block(fqn: str, block: nn.Module, reads: list[tuple[nn.Module, str]], buffers: list[torch.Tensor],
+               replicate: ReplicateComputation, regions: dict[bool, Callable], *args, **kwargs):
+    """Gather ``block``'s parameters (``reads``), then run its compute in the region of its mode (``regions``: the
+    training one and the eval one)."""
+    modes = {module.training for module in block.modules()}
+    if len(modes) > 1:
+        raise ValueError(f"compile_blocks_once runs a block in one mode; {fqn!r} has modules in training and in eval "
+                         "mode: call .train() or .eval() on the whole block, or pass compile_blocks_once=False")
     for leaf in tree_leaves((args, kwargs)):
         if not isinstance(leaf, (torch.Tensor, *_CONSTANTS)):
             raise ValueError(f"compile_blocks_once passes a block only tensors and constants (None, bool, int, float, "
                              f"str); {fqn!r} got a {type(leaf).__name__}: stop passing it (a Hugging Face model's "
                              "key-value cache: use_cache=False) or pass compile_blocks_once=False")
-    return region(replicate.gather_all(reads) + buffers, args, kwargs)
+    return regions[modes.pop()](replicate.gather_all(reads) + buffers, args, kwargs)
 
 
 _CONSTANTS = (type(None), bool, int, float, str, torch.SymInt, torch.SymFloat, torch.SymBool)
