@@ -108,7 +108,7 @@ def fx_backend(on_graph: Callable[[str, fx.GraphModule], None] | None = None,
             _use_fused_attention(gm)
         if on_inputs is not None:
             on_inputs(inputs)
-        with _composites_differentiable_on_meta(), views_recomputed_for_regions(gm):  # AOTAutograd traces here
+        with _composites_differentiable_on_meta(), compiling_regions(gm):  # AOTAutograd traces here
             return aot_backend(gm, inputs)
 
     return backend
@@ -122,16 +122,16 @@ def _partition(joint_pass: Callable[[fx.GraphModule], object] | None, joint: fx.
     return min_cut_rematerialization_partition(joint, *args, compiler="inductor", **kwargs)
 
 
-def views_recomputed_for_regions(gm: fx.GraphModule) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def compiling_regions(gm: fx.GraphModule) -> Iterator[None]:
     """For a Dynamo graph with compiled-once blocks (``invoke_subgraph``): partition with ``recompute_views``, so a
     region's forward saves a weight it reads, not the weight's transpose, and ``recompute_region_inputs`` can point
     the backward at the gathered weight (regathered in backward); and trace each region's schema once. Else nothing."""
     if not gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch._functorch.config.patch(recompute_views=True))
-    stack.enter_context(_region_schemas_traced_once())
-    return stack
+        yield
+        return
+    with torch._functorch.config.patch(recompute_views=True), _region_schemas_traced_once():
+        yield
 
 
 @contextlib.contextmanager

@@ -2,9 +2,9 @@
 
 A block (``passes.bucket_plan.find_blocks``) gathers all its parameters first, outside the region (one checkpoint,
 recomputed in backward when resharding after forward, instead of one per parameter), then calls the region with the
-gathered tensors: ``torch.func.functional_call`` of a copy of the block that holds no data. Blocks of one class and
-shapes share one region, so Dynamo traces its compute once, AOTAutograd partitions it once and Inductor compiles it
-once; the collectives stay in the outer graphs, where the passes bucket and reorder them, and the backward gathers a
+gathered tensors: ``torch.func.functional_call`` of a copy of the block that holds no data. Blocks of one structure
+(modules' classes and settings, parameter names and shapes) share one region per mode, so Dynamo traces its compute
+once and stamps it out for the repeats, AOTAutograd partitions it once and Inductor compiles it once; the collectives stay in the outer graphs, where the passes bucket and reorder them, and the backward gathers a
 block again just before its backward region (``passes/region_inputs.py``).
 
 Costs: no fusion across a block's edge; collectives are named by their block (``layers.0``), not by the module that
@@ -42,8 +42,7 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
         tensors = [module._parameters[name] for _, module, name in reads] + [buffer for _, buffer in buffers]
         signature = (_structure(block), tuple(names), tuple((tensor.shape, tensor.dtype) for tensor in tensors))
         if signature not in regions:
-            template = _template(block)
-            regions[signature] = {training: _region(copy.deepcopy(template).train(training), names)
+            regions[signature] = {training: _region(_template(block).train(training), names)
                                   for training in (True, False)}
         block.forward = functools.partial(_run_block, fqn, block, [read[1:] for read in reads],
                                           [buffer for _, buffer in buffers], replicate, regions[signature])
@@ -58,10 +57,14 @@ def _structure(block: nn.Module) -> tuple:
                  for prefix, module in block.named_modules(remove_duplicate=False))
 
 
+_PLAIN = (type(None), bool, int, float, str)
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def _is_setting(value) -> bool:
     if isinstance(value, tuple):
         return all(map(_is_setting, value))
-    return value is None or isinstance(value, (bool, int, float, str, torch.dtype))
+    return isinstance(value, (*_PLAIN, torch.dtype))
 
 
 def _template(block: nn.Module) -> nn.Module:
@@ -105,7 +108,7 @@ def _region(template: nn.Module, names: list[str]) -> Callable:
 
 
 def _describe(leaf) -> object:
-    if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+    if isinstance(leaf, _SYMBOLIC):
         return -1
     if not isinstance(leaf, torch.Tensor):
         return leaf
@@ -129,14 +132,12 @@ def _run_block(fqn: str, block: nn.Module, reads: list[tuple[nn.Module, str]], b
         raise ValueError(f"compile_blocks_once runs a block in one mode; {fqn!r} has modules in training and in eval "
                          "mode: call .train() or .eval() on the whole block, or pass compile_blocks_once=False")
     for leaf in tree_leaves((args, kwargs)):
-        if not isinstance(leaf, (torch.Tensor, *_CONSTANTS)):
+        if not isinstance(leaf, (torch.Tensor, *_PLAIN, *_SYMBOLIC)):
             raise ValueError(f"compile_blocks_once passes a block only tensors and constants (None, bool, int, float, "
                              f"str); {fqn!r} got a {type(leaf).__name__}: stop passing it (a Hugging Face model's "
                              "key-value cache: use_cache=False) or pass compile_blocks_once=False")
     return regions[modes.pop()](replicate.gather_all(reads) + buffers, args, kwargs)
 
-
-_CONSTANTS = (type(None), bool, int, float, str, torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def check_block_regions(model: nn.Module, blocks: tuple[str, ...]) -> None:

@@ -23,7 +23,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from simplefsdp.ir.capture import views_recomputed_for_regions
+from simplefsdp.ir.capture import compiling_regions
 
 
 def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any]) -> None:
@@ -54,7 +54,7 @@ class InductorOncePerHost(_TorchCompileInductorWrapper):
     differ (uneven shards) hold different locks and compile side by side."""
 
     def __call__(self, model_, inputs_, *, config_patches=None):
-        with views_recomputed_for_regions(model_):
+        with compiling_regions(model_):
             return compile_fx(model_, inputs_, inner_compile=compile_graph_once_per_host,
                               config_patches={**self.config, **(config_patches or {})}, compile_region_name=self.name)
 
