@@ -88,7 +88,7 @@ def _sharding() -> argparse.ArgumentParser:
                         help="keep the traced order of the collectives (no prefetching, no sunk waits)")
     parser.add_argument("--compile-blocks-once", action="store_true",
                         help="compile each distinct block's compute once for all its repeats (cold compile grows "
-                             "less with depth; not with --tp, --activation-checkpointing or --dynamic)")
+                             "less with depth; not with --tp or --dynamic)")
     parser.add_argument("--prefetch", type=int, default=1, help="all-gather buckets issued ahead (1)")
     parser.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
                         help="gathered parameter bytes in flight that --buckets auto may use")

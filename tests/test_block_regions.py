@@ -120,13 +120,27 @@ def test_a_region_costs_the_flops_of_its_compute(reports):
         assert sum(node.flops for node in once.nodes) == sum(node.flops for node in whole.nodes) > 0
 
 
-def test_tensor_parallel_checkpointed_and_dynamic_blocks_are_refused_before_any_collective():
+def test_tensor_parallel_and_dynamic_blocks_are_refused_before_any_collective():
     with pytest.raises(ValueError, match="compile_blocks_once does not run tensor-parallel blocks yet"):
         inspect_debug(True, tp=2)
-    with pytest.raises(ValueError, match="compile_blocks_once does not run activation-checkpointed blocks yet"):
-        inspect_debug(True, activation_checkpointing="full")
     with pytest.raises(ValueError, match="compile_blocks_once with dynamic=True fails in torch 2.13's Dynamo"):
         inspect_debug(True, dynamic=True)
+
+
+def test_a_block_with_a_forward_of_its_own_is_refused_before_any_collective(fake_world):
+    """A region runs the block's class forward; one set on the instance (other than checkpointing's) would be lost."""
+    model = nn.Sequential(ReluBlock(), ReluBlock())
+    model[1].forward = lambda x: x
+    with pytest.raises(ValueError, match="'1' has a forward of its own .*: make it a method of the class"):
+        simplefsdp.compile_sharded(model, compile_blocks_once=True, backend="aot_eager")
+
+
+def test_checkpointed_blocks_recompute_inside_their_region():
+    """A checkpointed block checkpoints its compute inside its region (numerics: ``test_activation_checkpointing``):
+    full keeps less for backward than selective, and selective less than none, as in the whole graph."""
+    peaks = {mode: inspect_debug(True, activation_checkpointing=mode).prediction.memory.peak_by_category["activations"]
+             for mode in ("none", "selective", "full")}
+    assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
 
 
 class ReluBlock(nn.Module):

@@ -27,16 +27,21 @@ SAVED_OPS = {
 }
 
 
+def _draws_random_numbers(op) -> bool:
+    # Recomputing such an op (attention, dropout) makes AOTAutograd 2.13 save its RNG state after the DTensor mesh it
+    # saves: misaligned, an AssertionError at the first compiled forward. Both policies save their outputs.
+    return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+
+
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective policy: keep the outputs of matmuls and attention, recompute everything else."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Selective policy: keep the outputs of matmuls, attention and ops that draw random numbers, recompute the rest."""
+    saved = op in SAVED_OPS or _draws_random_numbers(op)
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _save_random_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Full policy: recompute everything except ops that draw random numbers (attention, dropout)."""
-    # Recomputing those makes AOTAutograd 2.13 save their RNG state after the DTensor mesh it saves: misaligned.
-    seeded = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
-    return CheckpointPolicy.MUST_SAVE if seeded else CheckpointPolicy.PREFER_RECOMPUTE
+    """Full policy: recompute everything except ops that draw random numbers."""
+    return CheckpointPolicy.MUST_SAVE if _draws_random_numbers(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def checkpoint_context(policy: Callable[..., CheckpointPolicy]) -> functools.partial:

@@ -7,10 +7,12 @@ gathered tensors: ``torch.func.functional_call`` of a copy of the block that hol
 once and stamps it out for the repeats, AOTAutograd partitions it once and Inductor compiles it once; the collectives stay in the outer graphs, where the passes bucket and reorder them, and the backward gathers a
 block again just before its backward region (``passes/region_inputs.py``).
 
+An activation-checkpointed block (``apply_activation_checkpointing``) checkpoints its compute inside the region, with
+the same policy: the region's backward recomputes it, and the gathers stay outside, recomputed as without checkpointing.
+
 Costs: no fusion across a block's edge; collectives are named by their block (``layers.0``), not by the module that
 reads them; Inductor's buffer reuse is off for the model (torch 2.13 reused a buffer that a later region call still
-read: wrong gradients, ``test_parity``). Not yet: tensor-parallel blocks (a region takes plain tensors) and
-activation-checkpointed ones (the partitioner recomputed every block, gathers included, at the start of backward).
+read: wrong gradients, ``test_parity``). Not yet: tensor-parallel blocks (a region takes plain tensors).
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
         buffers = list(block.named_buffers())
         names = [f"{prefix}.{name}".lstrip(".") for prefix, _, name in reads] + [name for name, _ in buffers]
         tensors = [module._parameters[name] for _, module, name in reads] + [buffer for _, buffer in buffers]
-        signature = (_structure(block), tuple(names), tuple((tensor.shape, tensor.dtype) for tensor in tensors))
+        checkpointing = _checkpoint_options(block)
+        signature = (_structure(block), tuple(names), tuple((tensor.shape, tensor.dtype) for tensor in tensors),
+                     checkpointing)
         if signature not in regions:
-            regions[signature] = {training: _region(_template(block).train(training), names)
+            regions[signature] = {training: _region(_template(block).train(training), names, checkpointing)
                                   for training in (True, False)}
         block.forward = functools.partial(_run_block, fqn, block, [read[1:] for read in reads],
                                           [buffer for _, buffer in buffers], replicate, regions[signature])
@@ -82,14 +86,28 @@ def _template(block: nn.Module) -> nn.Module:
     return template
 
 
-def _region(template: nn.Module, names: list[str]) -> Callable:
-    """The nested compile region that runs ``template`` on given tensors (``names``' values) and arguments.
+def _checkpoint_options(block: nn.Module) -> tuple | None:
+    """The keyword arguments (sorted items) ``block``'s forward passes to ``checkpoint``, or None when it is not
+    checkpointed."""
+    forward = vars(block).get("forward")
+    return None if forward is None else tuple(sorted(forward.keywords.items()))
+
+
+def _region(template: nn.Module, names: list[str], checkpointing: tuple | None) -> Callable:
+    """The nested compile region that runs ``template`` on given tensors (``names``' values) and arguments, inside
+    ``checkpoint`` with ``checkpointing``'s options if not None.
 
     Dynamo traces it once and stamps it out for every later call with the same ``reuse_key``: its own check, which
     would trace every call again, refuses ``functional_call``'s swapping of the template's tensors."""
 
+    def run(tensors: list[torch.Tensor], args: tuple, kwargs: dict):
+        return functional_call(template, dict(zip(names, tensors)), args, kwargs, tie_weights=False)
+
     def compute(tensors: list[torch.Tensor], args: tuple, kwargs: dict):
-        output = functional_call(template, dict(zip(names, tensors)), args, kwargs, tie_weights=False)
+        if checkpointing is None:
+            output = run(tensors, args, kwargs)
+        else:
+            output = checkpoint(run, tensors, args, kwargs, **dict(checkpointing))
         if not isinstance(output, torch.Tensor) and not (
                 isinstance(output, (tuple, list)) and all(isinstance(item, torch.Tensor) for item in output)):
             raise ValueError(f"compile_blocks_once reuses a block's code only when it returns a tensor or a tuple of "
@@ -141,12 +159,15 @@ def _run_block(fqn: str, block: nn.Module, reads: list[tuple[nn.Module, str]], b
 
 
 def check_block_regions(model: nn.Module, blocks: tuple[str, ...]) -> None:
-    """``ValueError`` naming the fix for a block ``install_block_regions`` cannot run: one whose forward is wrapped in
-    activation checkpointing (the partitioner recomputed every block, gathers included, at the start of backward, and
-    a selective policy sees a region as one op)."""
+    """``ValueError`` naming the fix for a block whose forward ``install_block_regions`` would not run: one replaced
+    on the instance by anything but a checkpoint of the block's own forward (``apply_activation_checkpointing``'s)."""
     for fqn in blocks:
-        forward = vars(model.get_submodule(fqn)).get("forward")
-        if isinstance(forward, functools.partial) and forward.func is checkpoint:
-            raise ValueError(f"compile_blocks_once does not run activation-checkpointed blocks yet ({fqn!r}: the "
-                             "backward would recompute and gather every block at its start); pass "
-                             "compile_blocks_once=False with activation checkpointing, or checkpoint nothing")
+        block = model.get_submodule(fqn)
+        forward = vars(block).get("forward")
+        own = (isinstance(forward, functools.partial) and forward.func is checkpoint and len(forward.args) == 1
+               and getattr(forward.args[0], "__self__", None) is block
+               and getattr(forward.args[0], "__func__", None) is type(block).forward)
+        if forward is not None and not own:
+            raise ValueError(f"compile_blocks_once runs a block's class forward; {fqn!r} has a forward of its own "
+                             f"({forward!r}): make it a method of the class, checkpoint the block with "
+                             "apply_activation_checkpointing, or pass compile_blocks_once=False")
