@@ -48,7 +48,7 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
         if signature not in regions:
             regions[signature] = {training: _region(_template(block).train(training), names, checkpointing)
                                   for training in (True, False)}
-        block.forward = functools.partial(_run_block, fqn, block, [read[1:] for read in reads],
+        block.forward = functools.partial(_run_block, fqn, tuple(block.modules()), [read[1:] for read in reads],
                                           [buffer for _, buffer in buffers], replicate, regions[signature])
 
 
@@ -141,11 +141,13 @@ def _kind(value) -> str:
     return type(value).__name__
 
 
-def _run_block(fqn: str, block: nn.Module, reads: list[tuple[nn.Module, str]], buffers: list[torch.Tensor],
-               replicate: ReplicateComputation, regions: dict[bool, Callable], *args, **kwargs):
-    """Gather ``block``'s parameters (``reads``), then run its compute in the region of its mode (``regions``: the
-    training one and the eval one)."""
-    modes = {module.training for module in block.modules()}
+def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Module, str]],
+               buffers: list[torch.Tensor], replicate: ReplicateComputation, regions: dict[bool, Callable],
+               *args, **kwargs):
+    """Gather the block's parameters (``reads``), then run its compute in the region of its mode (``regions``: the
+    training one and the eval one), that of all its ``modules`` (a tuple: Dynamo traces ``block.modules()``'s
+    recursion at a cost per block)."""
+    modes = {module.training for module in modules}
     if len(modes) > 1:
         raise ValueError(f"compile_blocks_once runs a block in one mode; {fqn!r} has modules in training and in eval "
                          "mode: call .train() or .eval() on the whole block, or pass compile_blocks_once=False")
