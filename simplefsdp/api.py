@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from simplefsdp.passes.bucket_plan import BucketMode, find_blocks
 from simplefsdp.passes.options import check_pass_options
+from simplefsdp.runtime.activation_checkpoint import checkpoint_hugging_face_layers_fully
 from simplefsdp.runtime.agreed_profile import agreed_profile
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, default_mesh
@@ -75,7 +76,9 @@ def compile_sharded(
     ``hybrid_shard``) are merged from per-block units up to DDP's 25 MiB (``"auto"``) or bucketed by bytes as DDP's
     (``"block"``). ``quantize`` (``Quantize``) sends weights and gradients in low-bit formats.
     ``compile_blocks_once`` compiles the compute of each distinct block once and reuses it for its repeats
-    (``runtime/block_regions.py``): cold compile grows less with depth.
+    (``runtime/block_regions.py``): cold compile grows less with depth. Layers that Hugging Face's
+    ``gradient_checkpointing_enable()`` checkpoints keep what random ops drew (``apply_activation_checkpointing``'s
+    ``full`` policy): recomputing attention fails compiled.
 
     FSDP x TP: apply ``parallelize_module(model, mesh_2d["tp"], plan)`` first, then pass ``mesh=mesh_2d["dp"]``;
     TP's DTensor parameters are sharded over dp as well, and the passes touch only the data-parallel collectives.
@@ -148,6 +151,7 @@ def compile_sharded(
     if mp_policy.param_dtype is not None:
         cast_floating_inputs(model, mp_policy.param_dtype)
     add_gradient_sync_methods(model, replicate.sync, functools.partial(reduce_pending, replicate))
+    checkpoint_hugging_face_layers_fully(model)  # before regions copy the blocks
     if compile_blocks_once:  # the blocks found before sharding, which gives each module a class of its own
         from simplefsdp.runtime.block_regions import install_block_regions
         install_block_regions(model, block_fqns, replicate)

@@ -90,17 +90,48 @@ def _dropout_outputs(mode: str, compile_blocks_once: bool) -> list[torch.Tensor]
     return [output.detach()] + [param.grad.full_tensor() for param in model.parameters()]
 
 
-def _dropout_modes() -> dict[str, bool]:
+def _hugging_face_outputs(checkpointing: dict | None, compile_blocks_once: bool) -> list[torch.Tensor]:
+    """Loss and gradients of a 2-layer Hugging Face Llama, checkpointed by its own ``gradient_checkpointing_enable``
+    with ``checkpointing``'s arguments (None: not checkpointed), compiled with aot_eager."""
+    from transformers import LlamaForCausalLM
+    from zoo import _tiny_llama_config
+
+    torch.manual_seed(0)
+    config = _tiny_llama_config()
+    config.num_hidden_layers = 2
+    model = LlamaForCausalLM(config).train()
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    compile_sharded(model, backend="aot_eager", compile_blocks_once=compile_blocks_once)
+    tokens = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+    loss = F.cross_entropy(model(tokens[:, :-1]).logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    return [loss.detach()] + [param.grad.full_tensor() for param in model.parameters()]
+
+
+def _random_op_modes() -> dict[str, bool]:
+    """For each checkpointing, whether output and gradients are bitwise those without it."""
+    same = {}
     reference = _dropout_outputs("none", False)
-    return {f"{mode}{'-blocks-once' if once else ''}": all(map(torch.equal, _dropout_outputs(mode, once), reference))
-            for mode in ("none", "selective", "full") for once in (False, True)}
+    for mode in ("none", "selective", "full"):
+        for once in (False, True):
+            same[f"dropout-{mode}{'-blocks-once' * once}"] = all(map(torch.equal, _dropout_outputs(mode, once),
+                                                                     reference))
+    reference = _hugging_face_outputs(None, False)
+    for reentrant in (False, True):
+        for once in (False, True):
+            outputs = _hugging_face_outputs({"use_reentrant": reentrant}, once)
+            same[f"hugging-face-reentrant-{reentrant}{'-blocks-once' * once}"] = all(map(torch.equal, outputs,
+                                                                                         reference))
+    return same
 
 
-def test_checkpointed_dropout_is_saved_not_recomputed():
-    """Both policies save what dropout drew (torch 2.13's AOTAutograd failed on recomputing it beside DTensors): aot_eager
-    draws the same numbers in the same order whether a block is checkpointed, or compiled once, or neither, so output
-    and gradients are bitwise those without checkpointing."""
-    for modes in run_on_ranks(2, _dropout_modes):
+def test_checkpointed_random_ops_are_saved_not_recomputed():
+    """Both policies save what dropout and attention drew (torch 2.13's AOTAutograd failed on recomputing them beside
+    DTensors), and so do Hugging Face layers checkpointed by ``gradient_checkpointing_enable``, which failed the same
+    way: aot_eager draws the same numbers in the same order whether a block is checkpointed, or compiled once, or
+    neither, so output and gradients are bitwise those without checkpointing."""
+    for modes in run_on_ranks(2, _random_op_modes):
         assert all(modes.values()), modes
 
 

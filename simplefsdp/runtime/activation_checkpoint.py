@@ -63,3 +63,12 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> No
         return
     for block in blocks:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=_POLICIES[mode])
+
+
+def checkpoint_hugging_face_layers_fully(model: nn.Module) -> None:
+    """Layers checkpointed by Hugging Face's ``gradient_checkpointing_enable()`` checkpoint with the ``full`` policy:
+    the same recomputation, but what random ops drew is kept (theirs recomputes attention, which fails compiled)."""
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) is True and hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False,
+                                                                    context_fn=_POLICIES["full"])
