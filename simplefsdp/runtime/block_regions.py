@@ -4,8 +4,9 @@ A block (``passes.bucket_plan.find_blocks``) gathers all its parameters first, o
 recomputed in backward when resharding after forward, instead of one per parameter), then calls the region with the
 gathered tensors: ``torch.func.functional_call`` of a copy of the block that holds no data. Blocks of one structure
 (modules' classes and settings, parameter names and shapes) share one region per mode, so Dynamo traces its compute
-once and stamps it out for the repeats, AOTAutograd partitions it once and Inductor compiles it once; the collectives stay in the outer graphs, where the passes bucket and reorder them, and the backward gathers a
-block again just before its backward region (``passes/region_inputs.py``).
+once and stamps it out for the repeats, AOTAutograd partitions it once and Inductor compiles it once; the collectives
+stay in the outer graphs, where the passes bucket and reorder them, and the backward gathers a block again just before
+its backward region (``passes/region_inputs.py``).
 
 An activation-checkpointed block (``apply_activation_checkpointing``) checkpoints its compute inside the region, with
 the same policy: the region's backward recomputes it, and the gathers stay outside, recomputed as without checkpointing.
@@ -157,7 +158,6 @@ def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Mo
                              f"str); {fqn!r} got a {type(leaf).__name__}: stop passing it (a Hugging Face model's "
                              "key-value cache: use_cache=False) or pass compile_blocks_once=False")
     return regions[modes.pop()](replicate.gather_all(reads) + buffers, args, kwargs)
-
 
 
 def check_block_regions(model: nn.Module, blocks: tuple[str, ...]) -> None:
