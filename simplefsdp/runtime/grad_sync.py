@@ -48,8 +48,9 @@ class _RouteGradient(torch.autograd.Function):
 
 def route_gradient(full: torch.Tensor, accumulator: torch.Tensor, sync: GradientSync) -> torch.Tensor:
     """``full`` for the forward; its gradient goes to ``accumulator.grad`` unreduced when sync is off or a sum is
-    pending there, else through ``full``'s own backward (the reduction)."""
-    if sync.enabled and accumulator.grad is None:
+    pending there, else through ``full``'s own backward (the reduction). Until sync is first turned off no sum can be
+    pending, and the accumulator is not read: Dynamo then neither wraps it as an input nor guards on it."""
+    if sync.enabled and (not sync.reductions_registered or accumulator.grad is None):
         return full
     return _RouteGradient.apply(full.detach(), accumulator)
 
