@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -20,6 +21,11 @@ import pytest
 # With $START_TOGETHER (a directory), each process waits there for the other before compiling.
 COMPILE_BOTH = """
 import json, os, time, torch
+from torch._inductor import config, cpu_vec_isa
+base_isa_checks = []  # Inductor's check of an ISA itself (its AVX test code), not of an extension like AVX512-BF16
+check_build = cpu_vec_isa.VecISA.check_build
+cpu_vec_isa.VecISA.check_build = lambda isa, code: (
+    base_isa_checks.append(code == cpu_vec_isa.VecISA._avx_code), check_build(isa, code))[1]
 if together := os.environ.get("START_TOGETHER"):
     open(os.path.join(together, str(os.getpid())), "w").close()
     while len(os.listdir(together)) < 2:
@@ -54,7 +60,16 @@ for options in ({}, {"buckets": None, "reorder": False}):
     simplefsdp.apply_activation_checkpointing(model.layers, "selective")
     simplefsdp.compile_sharded(model, **options)
     model(torch.randn(8, 16)).sum().backward()
-print(json.dumps({**counters["inductor"], **counters["aot_autograd"]}))
+isa = {"vec_isa_ok": config.cpp.vec_isa_ok, "base_isa_checks": sum(base_isa_checks),
+       "picked_isa": str(cpu_vec_isa.pick_vec_isa())}
+with config.patch({"cpp.vec_isa_ok": None}):  # Inductor's own choice from its checks (their first answers, cached)
+    valid = cpu_vec_isa.valid_vec_isa_list.__wrapped__()
+    isa["checked_isa"] = str(cpu_vec_isa.get_isa_from_cpu_capability(
+        os.getenv("ATEN_CPU_CAPABILITY"), valid, cpu_vec_isa.invalid_vec_isa) if valid else cpu_vec_isa.invalid_vec_isa)
+    flags = cpu_vec_isa.x86_isa_checker()
+    isa["all_isas_usable"] = all(candidate for candidate in cpu_vec_isa.supported_vec_isa_list
+                                 if all(flag in flags for flag in str(candidate).split()))
+print(json.dumps({**counters["inductor"], **counters["aot_autograd"], **isa}))
 os._exit(0)
 """
 
@@ -104,6 +119,51 @@ def test_second_process_hits_the_aot_autograd_cache(processes):
 def test_second_process_hits_the_fx_graph_cache(processes):
     warm = processes["warm_fx_only"]
     assert warm.get("fxgraph_cache_hit") == 4 and warm.get("fxgraph_cache_miss", 0) == 0, warm
+
+
+def test_a_warm_process_does_not_check_the_cpu_s_vector_isas_again(processes):
+    """Inductor checks each vector ISA by building and loading a test library in a child process, 1.4 s at every
+    start; once they all passed on this machine (``runtime/cpu_isa.py``), a later process skips those checks and picks
+    the ISA that the checks picked (the warm cache hits above show the compile's configuration did not change)."""
+    cold, warm = processes["cold"], processes["warm"]
+    if platform.machine() != "x86_64" or not cold["all_isas_usable"]:  # not x86-64, or a check failed: as Inductor
+        assert cold["vec_isa_ok"] is None and warm["vec_isa_ok"] is None, (cold, warm)
+        return
+    assert cold["vec_isa_ok"] is True and warm["vec_isa_ok"] is True, (cold, warm)
+    assert warm["base_isa_checks"] == 0 and cold["base_isa_checks"] > 0, (cold, warm)
+    assert warm["picked_isa"] == cold["picked_isa"] == cold["checked_isa"], (cold, warm)
+
+
+def test_a_failed_isa_check_is_not_recorded(tmp_path, monkeypatch):
+    """Where one of the CPU's ISAs fails Inductor's check, nothing is recorded and Inductor keeps checking."""
+    from torch._inductor import config
+
+    from simplefsdp.runtime import cpu_isa
+
+    class Isa:
+        def __init__(self, name: str, usable: bool) -> None:
+            self.name, self.usable, self.checks = name, usable, 0
+
+        def __str__(self) -> str:
+            return self.name
+
+        def __bool__(self) -> bool:
+            self.checks += 1
+            return self.usable
+
+    monkeypatch.setattr(cpu_isa.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_isa.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cpu_isa, "cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(cpu_isa, "x86_isa_checker", lambda: ["avx2", "avx512"])
+    # avx512 fails: nothing recorded; both pass: recorded after checking; then: recorded, nothing checked
+    for usable, recorded, checks in ((False, None, [1, 0, 0]), (True, True, [1, 1, 0]), (True, True, [0, 0, 0])):
+        isas = [Isa("avx512", usable), Isa("avx2", True), Isa("amx_tile", False)]  # amx_tile: not this CPU's
+        monkeypatch.setattr(cpu_isa, "supported_vec_isa_list", isas)
+        with config.patch({"cpp.vec_isa_ok": None}):
+            cpu_isa.check_vector_isas_once_per_machine()
+            assert config.cpp.vec_isa_ok is recorded
+        assert [isa.checks for isa in isas] == checks
+        assert len(list(tmp_path.glob("simplefsdp-vec-isa/*"))) == (recorded is True)
 
 
 def test_two_processes_compiling_at_once_compile_each_graph_once(tmp_path):

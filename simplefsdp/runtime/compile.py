@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from simplefsdp.ir.capture import compiling_regions
+from simplefsdp.runtime.cpu_isa import check_vector_isas_once_per_machine
 
 
 def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any]) -> None:
@@ -41,6 +42,7 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
     sharded_call.__code__ = sharded_call.__code__.replace()
 
     if backend == "inductor":
+        check_vector_isas_once_per_machine()
         options = dict(options)
         backend = InductorOncePerHost(options.pop("mode", None), options.pop("options", None), options.get("dynamic"))
     compiled = torch.compile(sharded_call, backend=backend, **options)

@@ -1,0 +1,38 @@
+"""Inductor's check of this CPU's vector instruction sets, done once per machine instead of once per process.
+
+Before it loads its first C++ kernel, each process of Inductor checks every vector ISA the CPU reports (AVX2,
+AVX-512, ...) by building a test library and loading it in a child Python process: 1.4 s at every start of every rank,
+warm cache or not. Once every check has passed here, a marker in Inductor's cache directory, keyed by the CPU's
+flags, the C++ compiler and torch, says so, and later processes tell Inductor the ISAs are usable
+(``cpp.vec_isa_ok``) instead of checking again. Where any check fails nothing is recorded and Inductor checks as
+before. Private: ``torch._inductor.cpu_vec_isa`` and ``cpp_builder``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from pathlib import Path
+
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
+from torch._inductor.cpu_vec_isa import supported_vec_isa_list, x86_isa_checker
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+
+def check_vector_isas_once_per_machine() -> None:
+    """Set ``cpp.vec_isa_ok`` where this machine's vector ISAs all passed Inductor's check before, else check them
+    now (as Inductor would) and record it when they pass; only on x86-64 without CUDA, where nobody set it."""
+    if inductor_config.cpp.vec_isa_ok is not None or platform.machine() != "x86_64" or torch.cuda.is_available():
+        return
+    flags = x86_isa_checker()
+    machine = repr((torch.__version__, flags, get_compiler_version_info(get_cpp_compiler())))
+    marker = Path(cache_dir()) / "simplefsdp-vec-isa" / hashlib.sha256(machine.encode()).hexdigest()[:32]
+    if not marker.exists():
+        reported = [isa for isa in supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
+        if not all(reported):  # bool() of a VecISA is Inductor's check: build and load a test library
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(machine)
+    inductor_config.cpp.vec_isa_ok = True
