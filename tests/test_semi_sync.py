@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from test_train_cli import assert_same_checkpoint, train
+from test_train_cli import _load_full, assert_same_checkpoint, train
 from simplefsdp.models.llama import build_model
 from simplefsdp.optim import DeMo, DiLoCo
 from simplefsdp.optim.demo import largest_divisor
@@ -123,15 +123,23 @@ def test_diloco_is_adamw_inside_and_torch_nesterov_sgd_on_the_mean_pseudo_gradie
         assert torch.equal(weight, reference), step
 
 
-def demo_bytes(model: torch.nn.Module, chunk: int = 64, top_k: int = 32) -> int:
-    """What DeMo sends per step from one whole copy of ``model``: per chunk of each parameter (as 2-D, sides the
-    largest divisors <= ``chunk``), ``top_k`` fp32 values and int16 positions."""
+def demo_bytes(shapes: list[tuple[int, ...]], chunk: int = 64, top_k: int = 32) -> int:
+    """What DeMo sends per step from tensors of ``shapes``: per chunk of each (as 2-D, sides the largest divisors
+    <= ``chunk``), ``top_k`` fp32 values and int16 positions."""
     total = 0
-    for param in model.parameters():
-        rows, columns = (param.shape[0], param[0].numel()) if param.dim() > 1 else (1, param.numel())
+    for shape in shapes:
+        rows, columns = (shape[0], math.prod(shape[1:])) if len(shape) > 1 else (1, shape[0])
         h, w = largest_divisor(rows, chunk), largest_divisor(columns, chunk)
-        total += param.numel() // (h * w) * min(top_k, h * w) * (4 + 2)
+        total += rows * columns // (h * w) * min(top_k, h * w) * (4 + 2)
     return total
+
+
+def sent_per_step(mode: str, shapes: list[tuple[int, ...]], steps: int) -> dict[int, int]:
+    """The bytes a rank holding tensors of ``shapes`` sends to the other group at each step: DeMo's every step,
+    DiLoCo's (H = 4) pseudo-gradient at each outer step (a ring all-reduce of n bytes over 2 groups sends n)."""
+    if mode == "demo":
+        return {step: demo_bytes(shapes) for step in range(1, steps + 1)}
+    return {step: 4 * sum(math.prod(shape) for shape in shapes) * (step % 4 == 0) for step in range(1, steps + 1)}
 
 
 @torchft_wheels
@@ -146,10 +154,7 @@ def test_semi_synchronous_groups_agree_where_the_mode_says_count_their_bytes_and
     sent = {(int(step), int(group)): int(count.replace(",", "")) for step, count, group in re.findall(
         r"^step +(\d+)/8 .*  cross-group ([\d,]+) B.*  group (\d) replicas 2/2$", job.stdout, re.M)}
     assert sorted(sent) == [(step, group) for step in range(1, 9) for group in (0, 1)]
-    numel = sum(p.numel() for p in build_model("debug").parameters())
-    # A ring all-reduce of n bytes over 2 sends n; an all-gather over 2 sends each one's own payload once.
-    per_step = {step: (4 * numel if step % 4 == 0 else 0) if mode == "diloco" else demo_bytes(build_model("debug"))
-                for step in range(1, 9)}
+    per_step = sent_per_step(mode, [tuple(p.shape) for p in build_model("debug").parameters()], 8)
     assert sent == {(step, group): per_step[step] for step, group in sent}
     mean = round(sum(per_step.values()) / 8)
     assert re.findall(r"^cross-group bytes per step: (\d+)$", job.stdout, re.M) == [str(mean)] * 2
@@ -171,6 +176,26 @@ def test_semi_synchronous_groups_agree_where_the_mode_says_count_their_bytes_and
     for group in (0, 1):
         assert_same_checkpoint(checkpoint_path(straight / f"group-{group}", 8),
                                checkpoint_path(resumed / f"group-{group}", 8), tmp_path)
+
+
+@torchft_wheels
+@pytest.mark.parametrize("mode", SYNC)
+def test_groups_of_two_ranks_exchange_shard_by_shard_and_agree_where_the_mode_says(mode, tmp_path):
+    """2 groups x 2 ranks: FSDP inside a group, and each rank exchanges its own shard with the same rank of the other
+    group. Rank 0 sends what its shard (half of every parameter's rows) makes; the groups' whole models are bitwise
+    equal after the last step (demo: every step; diloco, H = 4: step 8 is an outer step)."""
+    from test_fault_tolerance import GROUPS, steps  # skips its module where torchft has no wheels
+    job = train(*GROUPS, "--nproc", "2", *SYNC[mode], "--steps", "8", "--checkpoint-dir", str(tmp_path))
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert all(k == 2 and ok for group in (0, 1) for _, _, k, ok in steps(job.stdout, group)), job.stdout
+    sent = {(int(step), int(group)): int(count.replace(",", "")) for step, count, group in re.findall(
+        r"^step +(\d+)/8 .*  cross-group ([\d,]+) B.*  group (\d) replicas 2/2$", job.stdout, re.M)}
+    shard_shapes = [(p.shape[0] // 2, *p.shape[1:]) for p in build_model("debug").parameters()]  # all rows even
+    per_step = sent_per_step(mode, shard_shapes, 8)
+    assert sent == {(step, group): per_step[step] for step in range(1, 9) for group in (0, 1)}
+    models = [_load_full(checkpoint_path(tmp_path / f"group-{group}", 8), tmp_path)["model"] for group in (0, 1)]
+    assert models[0].keys() == models[1].keys()
+    assert all(torch.equal(models[0][key], models[1][key]) for key in models[0])
 
 
 @torchft_wheels
