@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 
 import pytest
+
+from simplefsdp.ir.hardware import CACHE_DIR
 
 # Two small sharded models with activation checkpointing, our passes on and off: forward and backward of each.
 # With $START_TOGETHER (a directory), each process waits there for the other before compiling.
@@ -75,7 +78,8 @@ os._exit(0)
 
 
 def compile_in_new_processes(cache_dir: str, count: int = 1, **env_vars: str) -> list[dict[str, int]]:
-    """The compile caches' counters of ``count`` processes compiling COMPILE_BOTH at the same time."""
+    """The compile caches' counters of ``count`` processes compiling COMPILE_BOTH at the same time (and what they
+    did about the CPU's vector ISAs)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, **env_vars}
     processes = [subprocess.Popen([sys.executable, "-c", COMPILE_BOTH], env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for _ in range(count)]
@@ -97,10 +101,14 @@ def processes(tmp_path_factory) -> dict[str, dict[str, int]]:
     with AOTAutograd's cache off (so Inductor's FX graph cache is looked up by its own key, as it is
     whenever AOTAutograd bypasses its cache, e.g. for a checkpoint policy of the user's without a cache_hash)."""
     cache_dir = str(tmp_path_factory.mktemp("inductor_cache"))
+    simplefsdp_cache = tmp_path_factory.mktemp("simplefsdp_cache")  # no ISA marker yet; the CPU profile, if measured
+    for profile in CACHE_DIR.glob("cpu-*.json"):
+        shutil.copy(profile, simplefsdp_cache)
     return {
-        "cold": compile_in_new_process(cache_dir),
-        "warm": compile_in_new_process(cache_dir),
-        "warm_fx_only": compile_in_new_process(cache_dir, TORCHINDUCTOR_AUTOGRAD_CACHE="0"),
+        "cold": compile_in_new_process(cache_dir, SIMPLEFSDP_CACHE=str(simplefsdp_cache)),
+        "warm": compile_in_new_process(cache_dir, SIMPLEFSDP_CACHE=str(simplefsdp_cache)),
+        "warm_fx_only": compile_in_new_process(cache_dir, TORCHINDUCTOR_AUTOGRAD_CACHE="0",
+                                               SIMPLEFSDP_CACHE=str(simplefsdp_cache)),
     }
 
 
@@ -153,7 +161,7 @@ def test_a_failed_isa_check_is_not_recorded(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cpu_isa.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cpu_isa.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(cpu_isa, "cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(cpu_isa, "CACHE_DIR", tmp_path)
     monkeypatch.setattr(cpu_isa, "x86_isa_checker", lambda: ["avx2", "avx512"])
     # avx512 fails: nothing recorded; both pass: recorded after checking; then: recorded, nothing checked
     for usable, recorded, checks in ((False, None, [1, 0, 0]), (True, True, [1, 1, 0]), (True, True, [0, 0, 0])):
@@ -163,7 +171,7 @@ def test_a_failed_isa_check_is_not_recorded(tmp_path, monkeypatch):
             cpu_isa.check_vector_isas_once_per_machine()
             assert config.cpp.vec_isa_ok is recorded
         assert [isa.checks for isa in isas] == checks
-        assert len(list(tmp_path.glob("simplefsdp-vec-isa/*"))) == (recorded is True)
+        assert len(list(tmp_path.glob("vec-isa-*"))) == (recorded is True)
 
 
 def test_two_processes_compiling_at_once_compile_each_graph_once(tmp_path):

@@ -42,7 +42,6 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
     sharded_call.__code__ = sharded_call.__code__.replace()
 
     if backend == "inductor":
-        check_vector_isas_once_per_machine()
         options = dict(options)
         backend = InductorOncePerHost(options.pop("mode", None), options.pop("options", None), options.get("dynamic"))
     compiled = torch.compile(sharded_call, backend=backend, **options)
@@ -56,6 +55,7 @@ class InductorOncePerHost(_TorchCompileInductorWrapper):
     differ (uneven shards) hold different locks and compile side by side."""
 
     def __call__(self, model_, inputs_, *, config_patches=None):
+        check_vector_isas_once_per_machine()  # here, not at compile_sharded: its cost is the first step's
         with compiling_regions(model_):
             return compile_fx(model_, inputs_, inner_compile=compile_graph_once_per_host,
                               config_patches={**self.config, **(config_patches or {})}, compile_region_name=self.name)

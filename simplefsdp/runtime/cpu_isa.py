@@ -1,15 +1,17 @@
 """Inductor's check of this CPU's vector instruction sets, done once per machine instead of once per process.
 
-Before it loads its first C++ kernel, each process of Inductor checks every vector ISA the CPU reports (AVX2,
-AVX-512, ...) by building a test library and loading it in a child Python process: 1.4 s at every start of every rank,
-warm cache or not. Once every check has passed here, a marker in Inductor's cache directory, keyed by the CPU's
-flags, the C++ compiler and torch, says so, and later processes tell Inductor the ISAs are usable
-(``cpp.vec_isa_ok``) instead of checking again. Where any check fails nothing is recorded and Inductor checks as
-before. Private: ``torch._inductor.cpu_vec_isa`` and ``cpp_builder``.
+Before it loads its first C++ kernel, each Inductor process checks every vector ISA the CPU reports (AVX2, AVX-512,
+...) by building a test library (into Inductor's cache directory) and loading it in a child Python process: 1.4 s at
+every start of every rank, 8 s where Inductor's cache directory is empty. Once every check has passed here, a marker
+in ``SIMPLEFSDP_CACHE`` (beside the ``cpu`` hardware profile), keyed by host, the CPU's flags, the C++ compiler and
+torch, says so, and later processes tell Inductor the ISAs are usable (``cpp.vec_isa_ok``) instead of checking again.
+Inductor still checks the extensions (AVX512-BF16, VNNI, AMX) itself. Where any check fails nothing is recorded and
+Inductor checks as before. Private: ``torch._inductor.cpu_vec_isa`` and ``cpp_builder``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import platform
 from pathlib import Path
@@ -18,7 +20,8 @@ import torch
 from torch._inductor import config as inductor_config
 from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
 from torch._inductor.cpu_vec_isa import supported_vec_isa_list, x86_isa_checker
-from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+from simplefsdp.ir.hardware import CACHE_DIR
 
 
 def check_vector_isas_once_per_machine() -> None:
@@ -27,12 +30,13 @@ def check_vector_isas_once_per_machine() -> None:
     if inductor_config.cpp.vec_isa_ok is not None or platform.machine() != "x86_64" or torch.cuda.is_available():
         return
     flags = x86_isa_checker()
-    machine = repr((torch.__version__, flags, get_compiler_version_info(get_cpp_compiler())))
-    marker = Path(cache_dir()) / "simplefsdp-vec-isa" / hashlib.sha256(machine.encode()).hexdigest()[:32]
+    machine = repr((platform.node(), torch.__version__, flags, get_compiler_version_info(get_cpp_compiler())))
+    marker = Path(CACHE_DIR) / f"vec-isa-{hashlib.sha256(machine.encode()).hexdigest()[:32]}"
     if not marker.exists():
         reported = [isa for isa in supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
         if not all(reported):  # bool() of a VecISA is Inductor's check: build and load a test library
             return
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(machine)
+        with contextlib.suppress(OSError):  # a cache directory that is not writable: check again next time
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(machine)
     inductor_config.cpp.vec_isa_ok = True
