@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from simplefsdp import plots
 from simplefsdp.api import DYNAMIC_REGIONS, compile_sharded
 from simplefsdp.ir.cost_model import wire_bytes
-from simplefsdp.ir.capture import TraceError, capture_graphs
+from simplefsdp.ir.capture import TraceError, capture_graphs, cyclic_gc_paused
 from simplefsdp.ir.hardware import HardwareProfile, get_profile
 from simplefsdp.ir.render import chrome_trace, stage_table, text_summary
 from simplefsdp.ir.replica_sync import replica_sync_price
@@ -235,7 +235,7 @@ def inspect(
     apply_activation_checkpointing(getattr(copy_model, "layers", []), activation_checkpointing)
     if loss_fn is not None:  # the copy's forward, as checkpointing wraps a block's: module names do not change
         copy_model.forward = functools.partial(_forward_and_loss, copy_model.forward, loss_fn)
-    with fake_world(world_size, rank):
+    with fake_world(world_size, rank), cyclic_gc_paused():
         mesh_device = "cuda" if device == "cuda" else "cpu"
         if tp > 1:
             mesh_2d = init_device_mesh(mesh_device, mesh_shape, mesh_dim_names=("dp", "tp"))
