@@ -11,6 +11,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import simplefsdp
 from simplefsdp import compile_sharded
+from simplefsdp.ir.capture import cyclic_gc_paused
 from simplefsdp.models.llama import build_model
 
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
@@ -108,3 +109,20 @@ def test_inspect_of_a_tied_model_prices_its_whole_step():
     forward, backward = ([node.collective.kind for node in schedule.collectives()] for schedule in report.schedules)
     assert forward == ["all_gather"] * 3  # embed.weight (= output.weight), hidden.weight, hidden.bias
     assert backward.count("reduce_scatter") == 3
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_tracing_pauses_the_cyclic_gc_and_leaves_it_as_it_was(enabled):
+    import gc
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with cyclic_gc_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() is enabled
+        with pytest.raises(RuntimeError), cyclic_gc_paused():
+            raise RuntimeError("a failed trace")
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -13,7 +13,7 @@ from torch import nn
 
 import simplefsdp
 from simplefsdp.cli import main
-from simplefsdp.ir.capture import TraceError, cyclic_gc_paused
+from simplefsdp.ir.capture import TraceError
 from simplefsdp.ir.hardware import get_profile
 from simplefsdp.ir.schedule import COLLECTIVE, WAIT, read_schedule
 from simplefsdp.models.llama import build_model, get_config
@@ -76,23 +76,6 @@ def test_sharded_param_bytes_and_fqns(fully_sharded):  # of the final graphs: th
     # each rank holds dim-0 shards of ceil(rows / 8) rows, fp32
     expected = sum(-(-p.shape[0] // 8) * p[0].numel() * 4 for p in model.parameters())
     assert sum(graph_input.bytes for graph_input in fully_sharded.forward.inputs if graph_input.param_fqn) == expected
-
-
-@pytest.mark.parametrize("enabled", [True, False])
-def test_tracing_pauses_the_cyclic_gc_and_leaves_it_as_it_was(enabled):
-    import gc
-
-    was = gc.isenabled()
-    (gc.enable if enabled else gc.disable)()
-    try:
-        with cyclic_gc_paused():
-            assert not gc.isenabled()
-        assert gc.isenabled() is enabled
-        with pytest.raises(RuntimeError), cyclic_gc_paused():
-            raise RuntimeError("a failed trace")
-        assert gc.isenabled() is enabled
-    finally:
-        (gc.enable if was else gc.disable)()
 
 
 def test_reading_a_graph_does_not_change_it():
