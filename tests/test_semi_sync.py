@@ -142,6 +142,12 @@ def sent_per_step(mode: str, shapes: list[tuple[int, ...]], steps: int) -> dict[
     return {step: 4 * sum(math.prod(shape) for shape in shapes) * (step % 4 == 0) for step in range(1, steps + 1)}
 
 
+def cross_group_bytes(stdout: str) -> dict[tuple[int, int], int]:
+    """The bytes each group's rank 0 printed as sent across groups, by (step, group), for steps both groups took."""
+    return {(int(step), int(group)): int(count.replace(",", "")) for step, count, group in re.findall(
+        r"^step +(\d+)/\d+ .*  cross-group ([\d,]+) B.*  group (\d) replicas 2/2$", stdout, re.M)}
+
+
 @torchft_wheels
 @pytest.mark.parametrize("mode", SYNC)
 def test_semi_synchronous_groups_agree_where_the_mode_says_count_their_bytes_and_resume_bitwise(mode, tmp_path):
@@ -151,8 +157,7 @@ def test_semi_synchronous_groups_agree_where_the_mode_says_count_their_bytes_and
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     job = train(*GROUPS, *SYNC[mode], "--steps", "8", "--checkpoint-dir", str(straight), "--checkpoint-every", "4")
     assert job.returncode == 0, job.stderr[-3000:]
-    sent = {(int(step), int(group)): int(count.replace(",", "")) for step, count, group in re.findall(
-        r"^step +(\d+)/8 .*  cross-group ([\d,]+) B.*  group (\d) replicas 2/2$", job.stdout, re.M)}
+    sent = cross_group_bytes(job.stdout)
     assert sorted(sent) == [(step, group) for step in range(1, 9) for group in (0, 1)]
     per_step = sent_per_step(mode, [tuple(p.shape) for p in build_model("debug").parameters()], 8)
     assert sent == {(step, group): per_step[step] for step, group in sent}
@@ -188,8 +193,7 @@ def test_groups_of_two_ranks_exchange_shard_by_shard_and_agree_where_the_mode_sa
     job = train(*GROUPS, "--nproc", "2", *SYNC[mode], "--steps", "8", "--checkpoint-dir", str(tmp_path))
     assert job.returncode == 0, job.stderr[-3000:]
     assert all(k == 2 and ok for group in (0, 1) for _, _, k, ok in steps(job.stdout, group)), job.stdout
-    sent = {(int(step), int(group)): int(count.replace(",", "")) for step, count, group in re.findall(
-        r"^step +(\d+)/8 .*  cross-group ([\d,]+) B.*  group (\d) replicas 2/2$", job.stdout, re.M)}
+    sent = cross_group_bytes(job.stdout)
     shard_shapes = [(p.shape[0] // 2, *p.shape[1:]) for p in build_model("debug").parameters()]  # all rows even
     per_step = sent_per_step(mode, shard_shapes, 8)
     assert sent == {(step, group): per_step[step] for step in range(1, 9) for group in (0, 1)}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import platform
-from pathlib import Path
 
 import torch
 from torch._inductor import config as inductor_config
@@ -31,7 +30,7 @@ def check_vector_isas_once_per_machine() -> None:
         return
     flags = x86_isa_checker()
     machine = repr((platform.node(), torch.__version__, flags, get_compiler_version_info(get_cpp_compiler())))
-    marker = Path(CACHE_DIR) / f"vec-isa-{hashlib.sha256(machine.encode()).hexdigest()[:32]}"
+    marker = CACHE_DIR / f"vec-isa-{hashlib.sha256(machine.encode()).hexdigest()[:32]}"
     if not marker.exists():
         reported = [isa for isa in supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
         if not all(reported):  # bool() of a VecISA is Inductor's check: build and load a test library
