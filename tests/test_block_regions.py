@@ -231,3 +231,40 @@ def test_blocks_that_take_or_return_other_objects_are_refused_naming_the_fix(fak
     model = simplefsdp.compile_sharded(PairModel(extra), compile_blocks_once=True, backend="aot_eager")
     with pytest.raises(Exception, match=error):
         model(torch.randn(4, 8))
+
+
+class ScaledBlock(ReluBlock):
+    def forward(self, x: torch.Tensor, pair: tuple, *, scale: float) -> torch.Tensor:
+        return torch.relu(self.linear(x)) * pair[0] * scale + pair[1] * pair[1].dim()
+
+
+class ScaledModel(nn.Module):
+    """Blocks of one region called with a nested argument and keywords that differ between blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ScaledBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pair = (x.new_full((8,), 2.0), x.new_full((8,), -1.0))
+        for index, layer in enumerate(self.layers):
+            x = layer(x, pair, scale=1.0 + index % 2)
+            pair = (pair[0], x.mean(0, keepdim=True))  # another shape: [8], then [1, 8]
+        return x
+
+
+def _scaled_blocks_difference() -> float:
+    torch.manual_seed(0)
+    model = ScaledModel()
+    x = torch.randn(4, 8)
+    expected = model(x)
+    simplefsdp.compile_sharded(model, compile_blocks_once=True, backend="aot_eager")
+    return (model(x) - expected).abs().max().item()
+
+
+def test_blocks_reuse_a_traced_region_only_for_the_same_arguments():
+    """A region's traced code is reused only for the same keywords' values and nested arguments of the same shapes:
+    reused for another ``scale`` or shape of ``pair[1]`` (whose ``dim()`` is traced as a constant), the blocks would
+    compute the wrong values: each of the two fails this test when the key leaves it out. Bitwise, as
+    ``aot_eager`` runs eager's ops on the gathered weights (2 gloo ranks)."""
+    assert run_on_ranks(2, _scaled_blocks_difference) == [0.0, 0.0]

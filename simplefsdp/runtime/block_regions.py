@@ -44,7 +44,8 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
         names = [f"{prefix}.{name}".lstrip(".") for prefix, _, name in reads] + [name for name, _ in buffers]
         tensors = [module._parameters[name] for _, module, name in reads] + [buffer for _, buffer in buffers]
         checkpointing = _checkpoint_options(block)
-        signature = (_structure(block), tuple(names), tuple((tensor.shape, tensor.dtype) for tensor in tensors),
+        signature = (_structure(block), tuple(names),
+                     tuple((tensor.shape, tensor.stride(), tensor.dtype) for tensor in tensors),
                      checkpointing)
         if signature not in regions:
             regions[signature] = {training: _region(_template(block).train(training), names, checkpointing)
@@ -95,20 +96,21 @@ def _checkpoint_options(block: nn.Module) -> tuple | None:
 
 
 def _region(template: nn.Module, names: list[str], checkpointing: tuple | None) -> Callable:
-    """The nested compile region that runs ``template`` on given tensors (``names``' values) and arguments, inside
-    ``checkpoint`` with ``checkpointing``'s options if not None.
+    """The nested compile region that runs ``template`` on given tensors (``names``' values, the first positional
+    arguments) and the block's own arguments, inside ``checkpoint`` with ``checkpointing``'s options if not None.
 
-    Dynamo traces it once and stamps it out for every later call with the same ``reuse_key``: its own check, which
-    would trace every call again, refuses ``functional_call``'s swapping of the template's tensors."""
+    Called with tensors and constants as its positional arguments, Dynamo fingerprints a call without tracing a pytree
+    flatten. It traces the region once and stamps it out for every later call with the same ``reuse_key``: its own
+    check, which would trace every call again, refuses ``functional_call``'s swapping of the template's tensors."""
 
-    def run(tensors: list[torch.Tensor], args: tuple, kwargs: dict):
-        return functional_call(template, dict(zip(names, tensors)), args, kwargs, tie_weights=False)
+    def run(*flat, **kwargs):
+        return functional_call(template, dict(zip(names, flat)), flat[len(names):], kwargs, tie_weights=False)
 
-    def compute(tensors: list[torch.Tensor], args: tuple, kwargs: dict):
+    def compute(*flat, **kwargs):
         if checkpointing is None:
-            output = run(tensors, args, kwargs)
+            output = run(*flat, **kwargs)
         else:
-            output = checkpoint(run, tensors, args, kwargs, **dict(checkpointing))
+            output = checkpoint(run, *flat, **kwargs, **dict(checkpointing))
         if not isinstance(output, torch.Tensor) and not (
                 isinstance(output, (tuple, list)) and all(isinstance(item, torch.Tensor) for item in output)):
             raise ValueError(f"compile_blocks_once reuses a block's code only when it returns a tensor or a tuple of "
@@ -118,22 +120,29 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None) 
 
     region_id = id(template)
 
-    def reuse_key(tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> int:
-        """Equal for two calls of this region that can run the same traced code: every tensor's static sizes,
-        strides, dtype, device and whether it requires grad, every other argument's value (a symbolic size: -1)."""
-        return hash((region_id, *(_describe(leaf) for leaf in [*tensors, *tree_leaves((args, kwargs))])))
+    def reuse_key(*flat, **kwargs) -> int:
+        """Equal for two calls of this region that can run the same traced code: whether each of the block's tensors
+        requires grad (their shapes, strides and dtypes are the region's), the same nesting of the block's arguments,
+        each tensor's static sizes, strides, dtype, device and whether it requires grad, every other value (a symbolic
+        size: -1)."""
+        return hash((region_id, *[tensor.requires_grad for tensor in flat[:len(names)]], _describe(flat[len(names):]),
+                     _describe(kwargs)))
 
     return torch.compiler.nested_compile_region(compute, reuse_hash_fn=reuse_key)
 
 
-def _describe(leaf) -> object:
-    if isinstance(leaf, _SYMBOLIC):
+def _describe(value) -> object:
+    if isinstance(value, (tuple, list)):
+        return type(value).__name__, *map(_describe, value)
+    if isinstance(value, dict):
+        return tuple((key, _describe(item)) for key, item in value.items())
+    if isinstance(value, _SYMBOLIC):
         return -1
-    if not isinstance(leaf, torch.Tensor):
-        return leaf
-    return (tuple(size if isinstance(size, int) else -1 for size in leaf.shape),
-            tuple(step if isinstance(step, int) else -1 for step in leaf.stride()),
-            str(leaf.dtype), str(leaf.device), leaf.requires_grad)
+    if not isinstance(value, torch.Tensor):
+        return value
+    return (tuple(size if isinstance(size, int) else -1 for size in value.shape),
+            tuple(step if isinstance(step, int) else -1 for step in value.stride()),
+            str(value.dtype), str(value.device), value.requires_grad)
 
 
 def _kind(value) -> str:
@@ -157,7 +166,7 @@ def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Mo
             raise ValueError(f"compile_blocks_once passes a block only tensors and constants (None, bool, int, float, "
                              f"str); {fqn!r} got a {type(leaf).__name__}: stop passing it (a Hugging Face model's "
                              "key-value cache: use_cache=False) or pass compile_blocks_once=False")
-    return regions[modes.pop()](replicate.gather_all(reads) + buffers, args, kwargs)
+    return regions[modes.pop()](*replicate.gather_all(reads), *buffers, *args, **kwargs)
 
 
 def check_block_regions(model: nn.Module, blocks: tuple[str, ...]) -> None:
