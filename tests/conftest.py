@@ -5,14 +5,15 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 apply_simulated_simdlen()
 
-# The files that take longest (durations of a cold run on 2 cores, 2026-11-26), run first: with one file per
-# pytest-xdist worker at a time (dev.py: -n 2 --dist loadfile --no-loadscope-reorder) the workers then finish
-# together instead of one running a long file alone at the end.
-LONGEST_FIRST = ("test_zoo.py", "test_parity.py", "test_rank_invariance.py", "test_semi_sync.py",
-                 "test_shared_weights.py", "test_fault_tolerance.py", "test_dynamic_shapes.py", "test_readme.py",
-                 "test_first_run.py", "test_bench.py", "test_tensor_parallel.py", "test_compile_cache.py",
-                 "test_activation_checkpointing.py", "test_train_cli.py", "test_quantize.py",
-                 "test_grad_accumulation.py", "test_rank_agreement.py", "test_inspect.py", "test_galore.py")
+# The files that take longest (their tests' setup and call times summed, from `--durations` of a cold run on 2 cores,
+# 2026-11-27), run first: with one file per pytest-xdist worker at a time (dev.py: -n 2 --dist loadfile
+# --no-loadscope-reorder) the workers then finish together instead of one running a long file alone at the end.
+LONGEST_FIRST = ("test_parity.py", "test_zoo.py", "test_semi_sync.py", "test_rank_invariance.py",
+                 "test_activation_checkpointing.py", "test_shared_weights.py", "test_grad_accumulation.py",
+                 "test_dynamic_shapes.py", "test_fault_tolerance.py", "test_train_cli.py", "test_readme.py",
+                 "test_tensor_parallel.py", "test_quantize.py", "test_bench.py", "test_first_run.py",
+                 "test_compile_cache.py", "test_block_regions.py", "test_galore.py", "test_rank_agreement.py",
+                 "test_checkpoint.py", "test_cli.py", "test_inspect.py")
 
 
 def pytest_collection_modifyitems(items):
