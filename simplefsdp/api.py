@@ -154,7 +154,7 @@ def compile_sharded(
     checkpoint_hugging_face_layers_fully(model)  # before regions copy the blocks
     if compile_blocks_once:  # the blocks found before sharding, which gives each module a class of its own
         from simplefsdp.runtime.block_regions import install_block_regions
-        install_block_regions(model, block_fqns, replicate)
+        install_block_regions(model, block_fqns, replicate, gathers_in_region=backend == "inductor")
     if compile:
         from simplefsdp.runtime.compile import compile_in_place
         compile_in_place(model, backend, compile_options)

@@ -71,8 +71,9 @@ def test_every_block_calls_the_one_region(reports):
 
 def test_dynamo_traces_the_compute_of_a_block_once_and_stamps_out_its_repeats(reports):
     """Dynamo's own reuse check traced every block (``functional_call`` swaps the template's tensors, a side effect
-    it refuses): a block's Python ran once per block instead of once."""
-    assert reports["dynamo"] == {"invoke_subgraph_trace": 1, "invoke_subgraph_reuse_stamp_out": LAYERS - 1}
+    it refuses): a block's Python ran once per block instead of once. Two regions, each traced once: the blocks'
+    gathers (inlined into the outer graph before AOTAutograd) and their compute."""
+    assert reports["dynamo"] == {"invoke_subgraph_trace": 2, "invoke_subgraph_reuse_stamp_out": 2 * (LAYERS - 1)}
 
 
 def test_the_collectives_stay_outside_named_by_their_block(reports):

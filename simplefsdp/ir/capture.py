@@ -26,6 +26,7 @@ from torch._guards import TracingContext, detect_fake_mode
 from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
 from torch._inductor.decomposition import select_decomp_table
 from torch._ops import OpOverload
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 _SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -141,12 +142,57 @@ def _partition(joint_pass: Callable[[fx.GraphModule], object] | None, joint: fx.
 def compiling_regions(gm: fx.GraphModule) -> Iterator[None]:
     """For a Dynamo graph with compiled-once blocks (``invoke_subgraph``): partition with ``recompute_views``, so a
     region's forward saves a weight it reads, not the weight's transpose, and ``recompute_region_inputs`` can point
-    the backward at the gathered weight (regathered in backward); and trace each region's schema once. Else nothing."""
+    the backward at the gathered weight (regathered in backward); and trace each region's schema once. Else nothing.
+    First, the calls of a region that takes a DTensor (a block's gathers) are inlined into ``gm``."""
+    _inline_gather_regions(gm)
     if not gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
         yield
         return
     with torch._functorch.config.patch(recompute_views=True), _region_schemas_traced_once():
         yield
+
+
+def _inline_gather_regions(gm: fx.GraphModule) -> None:
+    """Replace each call of a region that takes a DTensor (``runtime/block_regions.py``: a block's gathers, traced
+    once by Dynamo) by the region's nodes, named by the calling block (``nn_module_stack``, checkpoint bodies
+    included): its collectives join the outer graph, where the passes bucket and reorder them as if traced per
+    block, and AOTAutograd sees no region with DTensor inputs, which it cannot partition."""
+    calls = [node for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+             if any(isinstance(arg, fx.Node) and isinstance(arg.meta.get("example_value"), DTensor)
+                    for arg in node.args[2:])]
+    regions = {call.args[0] for call in calls}
+    for index, call in enumerate(calls):
+        region, stack = getattr(gm, call.args[0].target), call.meta.get("nn_module_stack")
+        values = dict(zip(region.graph.find_nodes(op="placeholder"), call.args[2:]))
+        with gm.graph.inserting_before(call):
+            for node in region.graph.nodes:
+                if node.op == "get_attr":  # a checkpoint's body: a copy per call, named by the calling block
+                    name = f"{node.target}_of_gather_{index}"
+                    gm.add_submodule(name, _with_module_stack(getattr(region, node.target), stack))
+                    values[node] = gm.graph.get_attr(name)
+                    values[node].meta = dict(node.meta)
+                elif node.op not in ("placeholder", "output"):
+                    values[node] = gm.graph.node_copy(node, values.__getitem__)
+                    values[node].meta["nn_module_stack"] = stack
+        outputs = region.graph.output_node().args[0]
+        for user in list(call.users):
+            user.replace_all_uses_with(values[outputs[user.args[1]]])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(call)
+    for node in regions:
+        if not node.users:
+            gm.graph.erase_node(node)
+    if calls:
+        gm.recompile()
+
+
+def _with_module_stack(module: fx.GraphModule, stack: dict | None) -> fx.GraphModule:
+    """A copy of ``module`` whose nodes all carry ``stack`` as their ``nn_module_stack``."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(module.graph, {}))
+    for node in graph.nodes:
+        node.meta["nn_module_stack"] = stack
+    return fx.GraphModule(module, graph)
 
 
 @contextlib.contextmanager

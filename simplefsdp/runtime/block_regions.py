@@ -6,7 +6,9 @@ gathered tensors: ``torch.func.functional_call`` of a copy of the block that hol
 (modules' classes and settings, parameter names and shapes) share one region per mode, so Dynamo traces its compute
 once and stamps it out for the repeats, AOTAutograd partitions it once and Inductor compiles it once; the collectives
 stay in the outer graphs, where the passes bucket and reorder them, and the backward gathers a block again just before
-its backward region (``passes/region_inputs.py``).
+its backward region (``passes/region_inputs.py``). Under Inductor the gathers run in a region of their own, shared by
+all blocks, so Dynamo traces them once too; our backends inline its calls into the outer graph before AOTAutograd
+(``ir.capture.compiling_regions``), each named by its block.
 
 An activation-checkpointed block (``apply_activation_checkpointing``) checkpoints its compute inside the region, with
 the same policy: the region's backward recomputes it, and the gathers stay outside, recomputed as without checkpointing.
@@ -29,13 +31,21 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from simplefsdp.runtime.replicate_compute import ReplicateComputation
+from simplefsdp.runtime.replicate_compute import ReplicateComputation, all_gathered
 
 
-def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: ReplicateComputation) -> None:
+def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: ReplicateComputation,
+                          gathers_in_region: bool) -> None:
     """Run each of ``model``'s ``blocks`` (FQNs, sharded by ``shard_parameters``) as gathers, then one shared region
-    per distinct block (not tensor-parallel ones: a region takes plain tensors, not DTensors)."""
+    per distinct block (not tensor-parallel ones: a region takes plain tensors, not DTensors). With
+    ``gathers_in_region`` the gathers run in a region of their own, which the backend inlines
+    (``ir.capture.compiling_regions``): traced once, they land in the outer graph as if traced per block."""
     regions: dict[tuple, dict[bool, Callable]] = {}
+
+    def gather(*params):
+        return replicate.gather_shards(*params)
+
+    gather_region = torch.compiler.nested_compile_region(gather) if gathers_in_region else None
     for fqn in blocks:
         block = model.get_submodule(fqn)
         reads = [(prefix, module, name) for prefix, module in block.named_modules(remove_duplicate=False)
@@ -50,8 +60,9 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
         if signature not in regions:
             regions[signature] = {training: _region(_template(block).train(training), names, checkpointing)
                                   for training in (True, False)}
+        gathers = (gather_region, tuple(all_gathered(module._parameters[name]) for _, module, name in reads))
         block.forward = functools.partial(_run_block, fqn, tuple(block.modules()), [read[1:] for read in reads],
-                                          [buffer for _, buffer in buffers], replicate, regions[signature])
+                                          [buffer for _, buffer in buffers], replicate, gathers, regions[signature])
 
 
 def _structure(block: nn.Module) -> tuple:
@@ -152,11 +163,12 @@ def _kind(value) -> str:
 
 
 def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Module, str]],
-               buffers: list[torch.Tensor], replicate: ReplicateComputation, regions: dict[bool, Callable],
-               *args, **kwargs):
-    """Gather the block's parameters (``reads``), then run its compute in the region of its mode (``regions``: the
-    training one and the eval one), that of all its ``modules`` (a tuple: Dynamo traces ``block.modules()``'s
-    recursion at a cost per block)."""
+               buffers: list[torch.Tensor], replicate: ReplicateComputation,
+               gathers: tuple[Callable | None, tuple[bool, ...]], regions: dict[bool, Callable], *args, **kwargs):
+    """Gather the block's parameters (``reads``; ``gathers``: ``gather_all``'s region and flags, taken at install, as
+    Dynamo would trace the flags per block), then run its compute in the region of its mode (``regions``: the training
+    one and the eval one), that of all its ``modules`` (a tuple: Dynamo traces ``block.modules()``'s recursion at a
+    cost per block)."""
     modes = {module.training for module in modules}
     if len(modes) > 1:
         raise ValueError(f"compile_blocks_once runs a block in one mode; {fqn!r} has modules in training and in eval "
@@ -166,7 +178,7 @@ def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Mo
             raise ValueError(f"compile_blocks_once passes a block only tensors and constants (None, bool, int, float, "
                              f"str); {fqn!r} got a {type(leaf).__name__}: stop passing it (a Hugging Face model's "
                              "key-value cache: use_cache=False) or pass compile_blocks_once=False")
-    return regions[modes.pop()](*replicate.gather_all(reads), *buffers, *args, **kwargs)
+    return regions[modes.pop()](*replicate.gather_all(reads, *gathers), *buffers, *args, **kwargs)
 
 
 def check_block_regions(model: nn.Module, blocks: tuple[str, ...]) -> None:

@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -120,20 +120,48 @@ class ReplicateComputation:
                               context_fn=_reshard_context)
         return self.compute_view(param, accumulator, error)
 
-    def gather_all(self, reads: list[tuple[nn.Module, str]]) -> list[torch.Tensor]:
+    def gather_all(self, reads: list[tuple[nn.Module, str]], region: Callable | None = None,
+                   all_gathered: tuple[bool, ...] = ()) -> list[torch.Tensor]:
         """``getattr(module, name)`` for each of ``reads`` in one region recomputed in backward when resharding after
-        forward (not one per parameter); a parameter read twice is gathered once."""
-        if self.reshard_after_forward:
-            return checkpoint(self._gather_each, reads, use_reentrant=False, context_fn=_reshard_context)
-        return self._gather_each(reads)
+        forward (not one per parameter); a parameter read twice is gathered once. With ``region`` (a nested compile
+        region of ``gather_shards``), where no gradient is routed to an accumulator nor quantized, the reads flagged
+        in ``all_gathered`` (``all_gathered(param)`` of each) go through it: Dynamo traces the gathers of blocks alike
+        once."""
+        gathered = dict(self.gathers.gathered or {})
+        if region is not None and self.quantize is None and not self.sync.reductions_registered:
+            sharded = {module._gather_keys[name]: module._parameters[name]
+                       for (module, name), flag in zip(reads, all_gathered)
+                       if flag and module._gather_keys[name] not in gathered}
+            if sharded:
+                gathered.update(zip(sharded, region(*sharded.values())))
+        rest = {module._gather_keys[name]: (module, name) for module, name in reads
+                if module._gather_keys[name] not in gathered}
+        if rest and self.reshard_after_forward:
+            gathered.update(zip(rest, checkpoint(self._gather_each, list(rest.values()), use_reentrant=False,
+                                                 context_fn=_reshard_context)))
+        elif rest:
+            gathered.update(zip(rest, self._gather_each(list(rest.values()))))
+        return [gathered[module._gather_keys[name]] for module, name in reads]
 
     def _gather_each(self, reads: list[tuple[nn.Module, str]]) -> list[torch.Tensor]:
-        gathered = dict(self.gathers.gathered or {})
-        for module, name in reads:
-            if (key := module._gather_keys[name]) not in gathered:
-                gathered[key] = self.compute_view(module._parameters[name], module._grad_accumulators[name],
-                                                  module._error_feedback[name])
-        return [gathered[module._gather_keys[name]] for module, name in reads]
+        return [self.compute_view(module._parameters[name], module._grad_accumulators[name],
+                                  module._error_feedback[name]) for module, name in reads]
+
+    def gather_shards(self, *params: DTensor) -> list[torch.Tensor]:
+        """The gathered full local tensor of each of ``params``, in one checkpoint when resharding after forward."""
+        if self.reshard_after_forward:
+            return checkpoint(self._gather_params, *params, use_reentrant=False, context_fn=_reshard_context)
+        return self._gather_params(*params)
+
+    def _gather_params(self, *params: DTensor) -> list[torch.Tensor]:
+        return [self.gather(param, None) for param in params]
+
+
+def all_gathered(param: DTensor) -> bool:
+    """Whether gathering ``param`` all-gathers it (it is sharded over more than one rank): a new tensor, where a
+    replicated parameter's gather returns a view of its shard, which a compile region may not return."""
+    return any(placement.is_shard() and param.device_mesh.size(dim) > 1
+               for dim, placement in enumerate(param.placements))
 
 
 def install_getters(module: nn.Module, keys: dict[str, int], accumulators: dict[str, torch.Tensor],
