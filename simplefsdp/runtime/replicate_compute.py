@@ -115,10 +115,13 @@ class ReplicateComputation:
         return reduced.to(param.dtype)
 
     def __call__(self, param: DTensor, accumulator: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
+        return self._recomputed(self.compute_view, param, accumulator, error)
+
+    def _recomputed(self, gather: Callable, *args):
+        """``gather(*args)``, in a checkpoint that recomputes it in backward when resharding after forward."""
         if self.reshard_after_forward:
-            return checkpoint(self.compute_view, param, accumulator, error, use_reentrant=False,
-                              context_fn=_reshard_context)
-        return self.compute_view(param, accumulator, error)
+            return checkpoint(gather, *args, use_reentrant=False, context_fn=_reshard_context)
+        return gather(*args)
 
     def gather_all(self, reads: list[tuple[nn.Module, str]], region: Callable | None = None,
                    all_gathered: tuple[bool, ...] = ()) -> list[torch.Tensor]:
@@ -136,11 +139,8 @@ class ReplicateComputation:
                 gathered.update(zip(sharded, region(*sharded.values())))
         rest = {module._gather_keys[name]: (module, name) for module, name in reads
                 if module._gather_keys[name] not in gathered}
-        if rest and self.reshard_after_forward:
-            gathered.update(zip(rest, checkpoint(self._gather_each, list(rest.values()), use_reentrant=False,
-                                                 context_fn=_reshard_context)))
-        elif rest:
-            gathered.update(zip(rest, self._gather_each(list(rest.values()))))
+        if rest:
+            gathered.update(zip(rest, self._recomputed(self._gather_each, list(rest.values()))))
         return [gathered[module._gather_keys[name]] for module, name in reads]
 
     def _gather_each(self, reads: list[tuple[nn.Module, str]]) -> list[torch.Tensor]:
@@ -149,9 +149,7 @@ class ReplicateComputation:
 
     def gather_shards(self, *params: DTensor) -> list[torch.Tensor]:
         """The gathered full local tensor of each of ``params``, in one checkpoint when resharding after forward."""
-        if self.reshard_after_forward:
-            return checkpoint(self._gather_params, *params, use_reentrant=False, context_fn=_reshard_context)
-        return self._gather_params(*params)
+        return self._recomputed(self._gather_params, *params)
 
     def _gather_params(self, *params: DTensor) -> list[torch.Tensor]:
         return [self.gather(param, None) for param in params]
