@@ -12,6 +12,7 @@ from simplefsdp.passes.bucket_plan import BucketMode, find_blocks
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import checkpoint_hugging_face_layers_fully
 from simplefsdp.runtime.agreed_profile import agreed_profile
+from simplefsdp.runtime.block_regions import block_regions_refusal
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
@@ -43,6 +44,13 @@ DYNAMIC_REGIONS = ("compile_blocks_once with dynamic=True fails in torch 2.13's 
                    "region); leave dynamic unset: shapes that change are compiled dynamic after the first change")
 
 
+def blocks_once_by_default(model: nn.Module, blocks: tuple[str, ...], tensor_parallel: bool, dynamic: bool) -> bool:
+    """Whether ``compile_blocks_once=None`` compiles ``model``'s ``blocks`` once: where there are repeats, and neither
+    tensor parallelism, ``dynamic=True`` nor a block's forward of its own rules it out. A fact of the model and the
+    arguments, so the same on every rank."""
+    return len(blocks) > 1 and not tensor_parallel and not dynamic and block_regions_refusal(model, blocks) is None
+
+
 def compile_sharded(
     model: ModuleT | None = None,
     *,
@@ -58,7 +66,7 @@ def compile_sharded(
     memory_budget: int | None = None,
     blocks: list[str] | None = None,
     quantize: Quantize | None = None,
-    compile_blocks_once: bool = False,
+    compile_blocks_once: bool | None = None,
     **compile_options: Any,
 ) -> ModuleT | Callable[[ModuleT], ModuleT]:
     """Shard ``model``'s parameters over the data-parallel mesh and compile its forward, in place.
@@ -76,7 +84,9 @@ def compile_sharded(
     ``hybrid_shard``) are merged from per-block units up to DDP's 25 MiB (``"auto"``) or bucketed by bytes as DDP's
     (``"block"``). ``quantize`` (``Quantize``) sends weights and gradients in low-bit formats.
     ``compile_blocks_once`` compiles the compute of each distinct block once and reuses it for its repeats
-    (``runtime/block_regions.py``): cold compile grows less with depth. Layers that Hugging Face's
+    (``runtime/block_regions.py``): cold compile grows less with depth. ``None`` (default): on where
+    ``blocks_once_by_default`` says, and a call a region cannot run runs the block's own forward; ``True``: on, and
+    anything it cannot run is an error; ``False``: the whole graph traced block by block. Layers that Hugging Face's
     ``gradient_checkpointing_enable()`` checkpoints keep what random ops drew (``apply_activation_checkpointing``'s
     ``full`` policy): recomputing attention fails compiled.
 
@@ -120,9 +130,12 @@ def compile_sharded(
         raise ValueError("compile_blocks_once does not run tensor-parallel blocks yet (a region takes plain tensors, "
                          "not parallelize_module's DTensors); pass compile_blocks_once=False with parallelize_module")
     block_fqns = find_blocks(model) if blocks is None else tuple(blocks)
-    if compile_blocks_once:
-        from simplefsdp.runtime.block_regions import check_block_regions
-        check_block_regions(model, block_fqns)
+    strict_regions = compile_blocks_once is not None
+    if compile_blocks_once is None:
+        compile_blocks_once = compile and backend == "inductor" and blocks_once_by_default(
+            model, block_fqns, tp_mesh is not None, bool(compile_options.get("dynamic")))
+    elif compile_blocks_once and (refusal := block_regions_refusal(model, block_fqns)):
+        raise ValueError(refusal)
     values = holds_values(model)
     if values:  # a meta model gets its shards from materialize_sharded; a fake one (inspect's) is only traced
         model.to(mesh.device_type)
@@ -154,7 +167,8 @@ def compile_sharded(
     checkpoint_hugging_face_layers_fully(model)  # before regions copy the blocks
     if compile_blocks_once:  # the blocks found before sharding, which gives each module a class of its own
         from simplefsdp.runtime.block_regions import install_block_regions
-        install_block_regions(model, block_fqns, replicate, gathers_in_region=backend == "inductor")
+        install_block_regions(model, block_fqns, replicate, gathers_in_region=backend == "inductor",
+                              strict=strict_regions)
     if compile:
         from simplefsdp.runtime.compile import compile_in_place
         compile_in_place(model, backend, compile_options)

@@ -86,9 +86,12 @@ def _sharding() -> argparse.ArgumentParser:
                         help="bucketing of the collectives (auto; none: one collective per parameter)")
     parser.add_argument("--no-reorder", dest="reorder", action="store_false",
                         help="keep the traced order of the collectives (no prefetching, no sunk waits)")
-    parser.add_argument("--compile-blocks-once", action="store_true",
-                        help="compile each distinct block's compute once for all its repeats (cold compile grows "
-                             "less with depth; not with --tp or --dynamic)")
+    blocks_once = parser.add_mutually_exclusive_group()
+    blocks_once.add_argument("--compile-blocks-once", action="store_const", const=True, default=None,
+                             help="compile each distinct block's compute once for all its repeats, and refuse a "
+                                  "model it cannot run (default: on where it can, so not with --tp or --dynamic)")
+    blocks_once.add_argument("--whole-graph", dest="compile_blocks_once", action="store_const", const=False,
+                             help="trace and compile every block on its own (compile_blocks_once=False)")
     parser.add_argument("--prefetch", type=int, default=1, help="all-gather buckets issued ahead (1)")
     parser.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
                         help="gathered parameter bytes in flight that --buckets auto may use")

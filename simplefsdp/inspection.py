@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from simplefsdp import plots
-from simplefsdp.api import DYNAMIC_REGIONS, compile_sharded
+from simplefsdp.api import DYNAMIC_REGIONS, blocks_once_by_default, compile_sharded
 from simplefsdp.ir.cost_model import wire_bytes
 from simplefsdp.ir.capture import TraceError, capture_graphs, cyclic_gc_paused
 from simplefsdp.ir.hardware import HardwareProfile, get_profile
@@ -193,7 +193,7 @@ def inspect(
     device: str | None = None,
     tp: int = 1,
     tp_plan: dict[str, ParallelStyle] | None = None,
-    compile_blocks_once: bool = False,
+    compile_blocks_once: bool | None = None,
 ) -> InspectReport:
     """Trace ``model`` as ``compile_sharded`` shards it on ``world_size`` ranks (default 1), run our passes, predict.
     ``rank``: the rank whose graphs are traced (its shards and coordinate; the plans must not depend on it).
@@ -211,8 +211,8 @@ def inspect(
     ``replica_groups`` > 1 prices ``train --fault-tolerant``: that many groups of ``world_size`` ranks exchanging
     after backward as ``replica_sync`` says (``replica_sync_price``'s keywords; default: averaging gradient shards). ``tp`` > 1 prices FSDP x TP on a ``(world_size // tp, tp)``
     mesh: ``parallelize_module`` with ``tp_plan`` (default: the reference Llama's, ``models/llama_tp.py``) over tp,
-    then ``fully_shard`` over dp. ``compile_blocks_once``: as ``compile_sharded``'s, and each distinct block is traced
-    once.
+    then ``fully_shard`` over dp. ``compile_blocks_once``: as ``compile_sharded``'s (``None``: on where
+    ``blocks_once_by_default`` says), and each distinct block is traced once.
     """
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size
@@ -245,6 +245,8 @@ def inspect(
             mesh = init_device_mesh(mesh_device, mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
         passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile, find_blocks(model),
                                data_parallel_groups(mesh))
+        if compile_blocks_once is None:
+            compile_blocks_once = blocks_once_by_default(copy_model, find_blocks(copy_model), tp > 1, dynamic)
         # Sharded by compile_sharded itself, so the graphs traced here are those that run.
         compile_sharded(copy_model, mesh=mesh, mode=mode, mp_policy=mp_policy,
                         reshard_after_forward=reshard_after_forward, compile=False, quantize=quantize,

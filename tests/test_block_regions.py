@@ -4,6 +4,8 @@ the outer graphs, bucketed and reordered as the whole-graph path's.
 Graphs on the fake process group in one process; the numerics against the single-process reference are
 ``test_parity``'s ``blocks-once`` jobs (2 gloo ranks, tied and untied weights)."""
 
+import copy
+import functools
 import itertools
 import re
 from collections import Counter
@@ -15,7 +17,10 @@ from torch import nn
 from torch._dynamo.utils import compilation_time_metrics
 
 import simplefsdp
+from simplefsdp.api import blocks_once_by_default
 from simplefsdp.models.llama import build_model
+from simplefsdp.passes.bucket_plan import find_blocks
+from simplefsdp.runtime.block_regions import _run_block
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 
 LAYERS = 4
@@ -134,6 +139,79 @@ def test_a_block_with_a_forward_of_its_own_is_refused_before_any_collective(fake
     model[1].forward = lambda x: x
     with pytest.raises(ValueError, match="'1' has a forward of its own .*: make it a method of the class"):
         simplefsdp.compile_sharded(model, compile_blocks_once=True, backend="aot_eager")
+
+
+def _compiles_blocks_once(model: nn.Module) -> bool:
+    return any(isinstance(vars(module).get("forward"), functools.partial) and module.forward.func is _run_block
+               for module in model.modules())
+
+
+def _own_forward(model: nn.Module) -> nn.Module:
+    model.layers[1].forward = lambda *args, **kwargs: type(model.layers[1]).forward(model.layers[1], *args, **kwargs)
+    return model
+
+
+@pytest.mark.parametrize("options, build, once", [
+    ({}, lambda: build_model("debug", n_layers=2), True),
+    ({"compile_blocks_once": False}, lambda: build_model("debug", n_layers=2), False),
+    ({"backend": "aot_eager"}, lambda: build_model("debug", n_layers=2), False),
+    ({"backend": "aot_eager", "compile_blocks_once": True}, lambda: build_model("debug", n_layers=2), True),
+    ({"compile": False}, lambda: build_model("debug", n_layers=2), False),
+    ({"dynamic": True}, lambda: build_model("debug", n_layers=2), False),
+    ({}, lambda: _own_forward(build_model("debug", n_layers=2)), False),
+    ({}, lambda: nn.Sequential(ReluBlock(), SineBlock(1.0)), False),  # no repeats (the same shapes, not class)
+])
+def test_blocks_are_compiled_once_by_default_where_the_model_allows_it(fake_world, options, build, once):
+    """``compile_blocks_once=None`` (the default) compiles blocks once when Inductor compiles repeated blocks that a
+    region can run; otherwise, and with ``False``, the whole graph, and no error."""
+    assert _compiles_blocks_once(simplefsdp.compile_sharded(build(), **options)) is once
+
+
+def test_tensor_parallel_blocks_are_not_compiled_once_by_default():
+    model = build_model("debug", n_layers=2)
+    blocks = find_blocks(model)
+    assert blocks_once_by_default(model, blocks, tensor_parallel=False, dynamic=False)
+    assert not blocks_once_by_default(model, blocks, tensor_parallel=True, dynamic=False)
+
+
+def _calls_a_region_cannot_run() -> list[tuple[float, float]]:
+    """Blocks compiled once by default and called with what a region cannot run (an object argument; modules in two
+    modes): the largest difference from the same blocks unsharded, called directly (eager) and through the model
+    compiled by Inductor, and the bound on the compiled one."""
+    torch.manual_seed(0)
+    extra = object()
+    model, x = PairModel(extra), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    simplefsdp.compile_sharded(model)
+    differences = [((model.layers[0](x, extra)[0] - reference.layers[0](x, extra)[0]).abs().max().item(), 0.0)]
+    compiled = model(x)
+    differences.append(((compiled - reference(x)).abs().max().item(), _two_linear_bound(reference, x)))
+    model.layers[1].linear.eval()  # a block with modules in both modes: each block's own forward
+    reference.layers[1].linear.eval()
+    differences.append(((model.layers[1](x)[0] - reference.layers[1](x)[0]).abs().max().item(), 0.0))
+    return differences
+
+
+def _two_linear_bound(model: "PairModel", x: torch.Tensor) -> float:
+    """How far two fp32 evaluations of relu(W2 relu(W1 x + b1) + b2) may differ: each linear's sum of 8 products and
+    a bias within gamma_9 = 9u / (1 - 9u) of exact (Higham, Theorem 3.5) times |W||x| + |b| either way, and layer 1's
+    difference carried through |W2| (relu is 1-Lipschitz)."""
+    gamma = 9 * 2.0**-24 / (1 - 9 * 2.0**-24)
+    first, second = model.layers[0].linear, model.layers[1].linear
+    hidden = torch.relu(first(x))
+    error = 2 * gamma * (x.abs() @ first.weight.abs().T + first.bias.abs())
+    total = error @ second.weight.abs().T + 2 * gamma * ((hidden.abs() + error) @ second.weight.abs().T
+                                                          + second.bias.abs())
+    return total.max().item()
+
+
+def test_calls_a_region_cannot_run_run_the_blocks_own_forward_by_default():
+    """By default a call with an argument a region cannot key, or a block in two modes, is not an error: the block's
+    own forward gathers each parameter as it reads it. Directly: bitwise the unsharded block (eager, the same ops on
+    the gathered weights); compiled by Inductor: within two fp32 evaluations' rounding. On 2 gloo ranks."""
+    for rank in run_on_ranks(2, _calls_a_region_cannot_run):
+        for difference, bound in rank:
+            assert difference <= bound, rank
 
 
 def test_checkpointed_blocks_recompute_inside_their_region():

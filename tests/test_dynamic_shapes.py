@@ -90,11 +90,13 @@ BUCKET_MODES = {"auto": "auto", "manual": MANUAL_PLAN}
 
 @pytest.fixture(scope="module", params=BUCKET_MODES)
 def static_and_dynamic(request):
-    """The passes (each way to plan buckets, reorder on) on the debug Llama for 8 ranks, traced static and symbolic."""
+    """The passes (each way to plan buckets, reorder on) on the debug Llama for 8 ranks, traced static and symbolic,
+    both as the whole graph (``dynamic=True`` compiles no block once)."""
     with torch.device("meta"):
         model = build_model("debug")
     tokens = torch.zeros(2, 32, dtype=torch.long)
-    return [simplefsdp.inspect(model, (tokens,), world_size=8, dynamic=dynamic, buckets=BUCKET_MODES[request.param])
+    return [simplefsdp.inspect(model, (tokens,), world_size=8, dynamic=dynamic, buckets=BUCKET_MODES[request.param],
+                               compile_blocks_once=False)
             for dynamic in (False, True)]
 
 

@@ -24,11 +24,12 @@ LAYERS = get_config("debug").n_layers
 
 
 def inspect_debug(mode: str, **options):
+    """The whole graph, whose nodes keep each module's name and op (the default's regions: ``test_block_regions``)."""
     torch.manual_seed(0)
     model = build_model("debug")
     tokens = torch.zeros(1, 128, dtype=torch.long)
     return simplefsdp.inspect(model, (tokens,), world_size=8, mode=mode, hardware="h100", mp_policy=BF16_FP32,
-                              **options)
+                              **{"compile_blocks_once": False, **options})
 
 
 @pytest.fixture(scope="module")

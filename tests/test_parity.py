@@ -58,8 +58,9 @@ TWO_RANK_JOBS = {
         for name, options in (("eager", EAGER), ("inductor", INDUCTOR))
     },
     "graph_break-inductor": ("graph_break", "simplefsdp", INDUCTOR),
-    # each block's compute compiled once, beside the whole graph ("tied_llama" ties weights outside the blocks)
-    "llama-blocks-once-inductor": ("llama", "simplefsdp", {**INDUCTOR, "compile_blocks_once": True}),
+    # the whole graph, beside the default (each block's compute compiled once; "tied_llama" ties weights outside
+    # the blocks)
+    "llama-whole-graph-inductor": ("llama", "simplefsdp", {**INDUCTOR, "compile_blocks_once": False}),
     "linear_7x5-passes-off-inductor": ("linear_7x5", "simplefsdp", PASSES_OFF),
 }
 HYBRID = {"mode": "hybrid_shard", "mesh_shape": (2, 2)}
@@ -125,9 +126,10 @@ def test_passes_leave_numerics_bitwise_unchanged(results, job):
 
 
 def test_blocks_compiled_once_are_bitwise_the_whole_graph(results):
-    """A block's compute in a region runs the ops of the whole graph in the same order (Inductor fuses within each
-    block alike): every step's gradient shards, losses and parameters are bitwise the whole-graph path's."""
-    for ours, reference in zip(results["llama-blocks-once-inductor"], results["fully_shard-inductor"]):
+    """A block's compute in a region (the default) runs the ops of the whole graph in the same order (Inductor fuses
+    within each block alike): every step's gradient shards, losses and parameters are bitwise the whole-graph
+    path's."""
+    for ours, reference in zip(results["fully_shard-inductor"], results["llama-whole-graph-inductor"]):
         assert ours["grad_digests"] == reference["grad_digests"]
         assert all(torch.equal(a, b) for a, b in zip(ours["losses"], reference["losses"]))
         assert all(torch.equal(ours["params"][n], reference["params"][n]) for n in reference["params"])

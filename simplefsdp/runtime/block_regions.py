@@ -35,11 +35,13 @@ from simplefsdp.runtime.replicate_compute import ReplicateComputation, all_gathe
 
 
 def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: ReplicateComputation,
-                          gathers_in_region: bool) -> None:
+                          gathers_in_region: bool, strict: bool) -> None:
     """Run each of ``model``'s ``blocks`` (FQNs, sharded by ``shard_parameters``) as gathers, then one shared region
     per distinct block (not tensor-parallel ones: a region takes plain tensors, not DTensors). With
     ``gathers_in_region`` the gathers run in a region of their own, which the backend inlines
-    (``ir.capture.compiling_regions``): traced once, they land in the outer graph as if traced per block."""
+    (``ir.capture.compiling_regions``): traced once, they land in the outer graph as if traced per block. A call that
+    a region cannot run (modules in both modes, arguments other than tensors and constants) raises if ``strict``, and
+    else runs the block's own forward, which gathers each parameter as it reads it."""
     regions: dict[tuple, dict[bool, Callable]] = {}
 
     def gather(*params):
@@ -61,8 +63,10 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
             regions[signature] = {training: _region(_template(block).train(training), names, checkpointing)
                                   for training in (True, False)}
         gathers = (gather_region, tuple(all_gathered(module._parameters[name]) for _, module, name in reads))
+        own_forward = None if strict else block.forward
         block.forward = functools.partial(_run_block, fqn, tuple(block.modules()), [read[1:] for read in reads],
-                                          [buffer for _, buffer in buffers], replicate, gathers, regions[signature])
+                                          [buffer for _, buffer in buffers], replicate, gathers, regions[signature],
+                                          own_forward)
 
 
 def _structure(block: nn.Module) -> tuple:
@@ -164,26 +168,30 @@ def _kind(value) -> str:
 
 def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Module, str]],
                buffers: list[torch.Tensor], replicate: ReplicateComputation,
-               gathers: tuple[Callable | None, tuple[bool, ...]], regions: dict[bool, Callable], *args, **kwargs):
+               gathers: tuple[Callable | None, tuple[bool, ...]], regions: dict[bool, Callable],
+               own_forward: Callable | None, *args, **kwargs):
     """Gather the block's parameters (``reads``; ``gathers``: ``gather_all``'s region and flags, taken at install, as
     Dynamo would trace the flags per block), then run its compute in the region of its mode (``regions``: the training
     one and the eval one), that of all its ``modules`` (a tuple: Dynamo traces ``block.modules()``'s recursion at a
-    cost per block)."""
+    cost per block). A call no region can run goes to ``own_forward``, or raises where that is None."""
     modes = {module.training for module in modules}
+    odd = next((leaf for leaf in tree_leaves((args, kwargs))
+                if not isinstance(leaf, (torch.Tensor, *_PLAIN, *_SYMBOLIC))), None)
+    if own_forward is not None and (len(modes) > 1 or odd is not None):
+        return own_forward(*args, **kwargs)
     if len(modes) > 1:
         raise ValueError(f"compile_blocks_once runs a block in one mode; {fqn!r} has modules in training and in eval "
                          "mode: call .train() or .eval() on the whole block, or pass compile_blocks_once=False")
-    for leaf in tree_leaves((args, kwargs)):
-        if not isinstance(leaf, (torch.Tensor, *_PLAIN, *_SYMBOLIC)):
-            raise ValueError(f"compile_blocks_once passes a block only tensors and constants (None, bool, int, float, "
-                             f"str); {fqn!r} got a {type(leaf).__name__}: stop passing it (a Hugging Face model's "
-                             "key-value cache: use_cache=False) or pass compile_blocks_once=False")
+    if odd is not None:
+        raise ValueError(f"compile_blocks_once passes a block only tensors and constants (None, bool, int, float, "
+                         f"str); {fqn!r} got a {type(odd).__name__}: stop passing it (a Hugging Face model's "
+                         "key-value cache: use_cache=False) or pass compile_blocks_once=False")
     return regions[modes.pop()](*replicate.gather_all(reads, *gathers), *buffers, *args, **kwargs)
 
 
-def check_block_regions(model: nn.Module, blocks: tuple[str, ...]) -> None:
-    """``ValueError`` naming the fix for a block whose forward ``install_block_regions`` would not run: one replaced
-    on the instance by anything but a checkpoint of the block's own forward (``apply_activation_checkpointing``'s)."""
+def block_regions_refusal(model: nn.Module, blocks: tuple[str, ...]) -> str | None:
+    """Why ``install_block_regions`` would not run ``blocks`` (a sentence naming the fix), or None: a block's forward
+    replaced on the instance by anything but a checkpoint of its own (``apply_activation_checkpointing``'s)."""
     for fqn in blocks:
         block = model.get_submodule(fqn)
         forward = vars(block).get("forward")
@@ -191,6 +199,7 @@ def check_block_regions(model: nn.Module, blocks: tuple[str, ...]) -> None:
                and getattr(forward.args[0], "__self__", None) is block
                and getattr(forward.args[0], "__func__", None) is type(block).forward)
         if forward is not None and not own:
-            raise ValueError(f"compile_blocks_once runs a block's class forward; {fqn!r} has a forward of its own "
-                             f"({forward!r}): make it a method of the class, checkpoint the block with "
-                             "apply_activation_checkpointing, or pass compile_blocks_once=False")
+            return (f"compile_blocks_once runs a block's class forward; {fqn!r} has a forward of its own "
+                    f"({forward!r}): make it a method of the class, checkpoint the block with "
+                    "apply_activation_checkpointing, or pass compile_blocks_once=False")
+    return None
