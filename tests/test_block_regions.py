@@ -177,7 +177,8 @@ def test_tensor_parallel_blocks_are_not_compiled_once_by_default():
 def _calls_a_region_cannot_run() -> list[tuple[float, float]]:
     """Blocks compiled once by default and called with what a region cannot run (an object argument; modules in two
     modes): the largest difference from the same blocks unsharded, called directly (eager) and through the model
-    compiled by Inductor, and the bound on the compiled one."""
+    compiled by Inductor, and the bound on the compiled one; then blocks that return ``(hidden, None)``, compiled once
+    by Inductor."""
     torch.manual_seed(0)
     extra = object()
     model, x = PairModel(extra), torch.randn(4, 8)
@@ -189,6 +190,11 @@ def _calls_a_region_cannot_run() -> list[tuple[float, float]]:
     model.layers[1].linear.eval()  # a block with modules in both modes: each block's own forward
     reference.layers[1].linear.eval()
     differences.append(((model.layers[1](x)[0] - reference.layers[1](x)[0]).abs().max().item(), 0.0))
+    torch.manual_seed(0)
+    pairs = PairModel(None)  # blocks that return (hidden, None): compiled once, the call rebuilds the pair
+    reference = copy.deepcopy(pairs)
+    simplefsdp.compile_sharded(pairs)
+    differences.append(((pairs(x) - reference(x)).abs().max().item(), _two_linear_bound(reference, x)))
     return differences
 
 
@@ -208,7 +214,8 @@ def _two_linear_bound(model: "PairModel", x: torch.Tensor) -> float:
 def test_calls_a_region_cannot_run_run_the_blocks_own_forward_by_default():
     """By default a call with an argument a region cannot key, or a block in two modes, is not an error: the block's
     own forward gathers each parameter as it reads it. Directly: bitwise the unsharded block (eager, the same ops on
-    the gathered weights); compiled by Inductor: within two fp32 evaluations' rounding. On 2 gloo ranks."""
+    the gathered weights); compiled by Inductor: within two fp32 evaluations' rounding, as are blocks that return a
+    constant beside their tensor. On 2 gloo ranks."""
     for rank in run_on_ranks(2, _calls_a_region_cannot_run):
         for difference, bound in rank:
             assert difference <= bound, rank
@@ -299,17 +306,51 @@ class PairModel(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("extra, error", [
-    (None, r"only when it returns a tensor or a tuple of tensors; PairBlock returns a tuple of \(Tensor, NoneType\): "
-           "pass compile_blocks_once=False"),
-    (object(), "passes a block only tensors and constants .*; 'layers.0' got a object: stop passing it .* or pass "
-                 "compile_blocks_once=False"),
-])
-def test_blocks_that_take_or_return_other_objects_are_refused_naming_the_fix(fake_world, extra, error):
-    """Dynamo stamps out a traced block only for tensor outputs, and keys it by its arguments' values."""
-    model = simplefsdp.compile_sharded(PairModel(extra), compile_blocks_once=True, backend="aot_eager")
-    with pytest.raises(Exception, match=error):
+def test_blocks_that_take_other_objects_are_refused_naming_the_fix(fake_world):
+    """With ``True`` a block takes only tensors and constants: Dynamo keys a traced block by their values."""
+    model = simplefsdp.compile_sharded(PairModel(object()), compile_blocks_once=True, backend="aot_eager")
+    with pytest.raises(Exception, match="passes a block only tensors and constants .*; 'layers.0' got a object: stop "
+                                        "passing it .* or pass compile_blocks_once=False"):
         model(torch.randn(4, 8))
+
+
+class NestedOutputBlock(ReluBlock):
+    """Returns ``(hidden, None)``, or ``(hidden, {"mean": ...})`` with ``stats``: one region, two output structures."""
+
+    def forward(self, x: torch.Tensor, stats: bool = False) -> tuple:
+        hidden = torch.relu(self.linear(x))
+        return hidden, ({"mean": hidden.mean()} if stats else None)
+
+
+class NestedOutputModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(NestedOutputBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, layer in enumerate(self.layers):
+            x, stats = layer(x, stats=index % 2 == 1)
+            if stats is not None:
+                x = x - stats["mean"]
+        return x
+
+
+def _nested_outputs_difference() -> float:
+    torch.manual_seed(0)
+    model = NestedOutputModel()
+    x = torch.randn(4, 8)
+    expected = model(x)
+    simplefsdp.compile_sharded(model, compile_blocks_once=True, backend="aot_eager")
+    return (model(x) - expected).abs().max().item()
+
+
+def test_blocks_may_return_constants_and_nested_tensors():
+    """A region returns only tensors; the call rebuilds ``(hidden, None)`` and ``(hidden, {"mean": ...})`` from the
+    structure recorded for its reuse key. The blocks alternate: the third block is traced after the second, and the
+    fourth reuses the second's trace, so a structure recorded per region instead of per key would give the fourth
+    block ``None`` where its mean is due. Bitwise, as ``aot_eager`` runs eager's ops on the gathered weights (2 gloo
+    ranks)."""
+    assert run_on_ranks(2, _nested_outputs_difference) == [0.0, 0.0]
 
 
 class ScaledBlock(ReluBlock):

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from simplefsdp.runtime.replicate_compute import ReplicateComputation, all_gathered
@@ -111,12 +111,16 @@ def _checkpoint_options(block: nn.Module) -> tuple | None:
 
 
 def _region(template: nn.Module, names: list[str], checkpointing: tuple | None) -> Callable:
-    """The nested compile region that runs ``template`` on given tensors (``names``' values, the first positional
-    arguments) and the block's own arguments, inside ``checkpoint`` with ``checkpointing``'s options if not None.
+    """A call of the nested compile region that runs ``template`` on given tensors (``names``' values, the first
+    positional arguments) and the block's own arguments, inside ``checkpoint`` with ``checkpointing``'s options if not
+    None; it returns the block's output.
 
     Called with tensors and constants as its positional arguments, Dynamo fingerprints a call without tracing a pytree
     flatten. It traces the region once and stamps it out for every later call with the same ``reuse_key``: its own
-    check, which would trace every call again, refuses ``functional_call``'s swapping of the template's tensors."""
+    check, which would trace every call again, refuses ``functional_call``'s swapping of the template's tensors.
+    Dynamo reuses only a region that returns a tensor or a tuple of tensors, so for an output with other leaves
+    (``(hidden, None)``) the region returns its tensors and records, per reuse key while it is traced, the output's
+    structure, from which the call rebuilds it."""
 
     def run(*flat, **kwargs):
         return functional_call(template, dict(zip(names, flat)), flat[len(names):], kwargs, tie_weights=False)
@@ -126,13 +130,15 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None) 
             output = run(*flat, **kwargs)
         else:
             output = checkpoint(run, *flat, **kwargs, **dict(checkpointing))
-        if not isinstance(output, torch.Tensor) and not (
+        if isinstance(output, torch.Tensor) or (
                 isinstance(output, (tuple, list)) and all(isinstance(item, torch.Tensor) for item in output)):
-            raise ValueError(f"compile_blocks_once reuses a block's code only when it returns a tensor or a tuple of "
-                             f"tensors; {type(template).__name__} returns {_kind(output)}: pass "
-                             "compile_blocks_once=False")
-        return output
+            return output
+        leaves, spec = tree_flatten(output)
+        structures[reuse_key(*flat, **kwargs)] = spec, [None if isinstance(leaf, torch.Tensor) else (leaf,)
+                                                         for leaf in leaves]
+        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
+    structures: dict[int, tuple] = {}  # per reuse key, an output with other leaves: its spec, its constants boxed
     region_id = id(template)
 
     def reuse_key(*flat, **kwargs) -> int:
@@ -143,7 +149,17 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None) 
         return hash((region_id, *[tensor.requires_grad for tensor in flat[:len(names)]], _describe(flat[len(names):]),
                      _describe(kwargs)))
 
-    return torch.compiler.nested_compile_region(compute, reuse_hash_fn=reuse_key)
+    region = torch.compiler.nested_compile_region(compute, reuse_hash_fn=reuse_key)
+
+    def call(*flat, **kwargs):
+        output = region(*flat, **kwargs)
+        if not structures or (structure := structures.get(reuse_key(*flat, **kwargs))) is None:
+            return output
+        spec, leaves = structure
+        tensors = iter(output)
+        return tree_unflatten([next(tensors) if leaf is None else leaf[0] for leaf in leaves], spec)
+
+    return call
 
 
 def _describe(value) -> object:
@@ -158,12 +174,6 @@ def _describe(value) -> object:
     return (tuple(size if isinstance(size, int) else -1 for size in value.shape),
             tuple(step if isinstance(step, int) else -1 for step in value.stride()),
             str(value.dtype), str(value.device), value.requires_grad)
-
-
-def _kind(value) -> str:
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of ({', '.join(type(item).__name__ for item in value)})"
-    return type(value).__name__
 
 
 def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Module, str]],
