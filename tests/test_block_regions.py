@@ -9,6 +9,7 @@ import functools
 import itertools
 import re
 from collections import Counter
+from typing import Callable
 
 import pytest
 import torch
@@ -335,9 +336,10 @@ class NestedOutputModel(nn.Module):
         return x
 
 
-def _nested_outputs_difference() -> float:
+def _blocks_once_difference(build: Callable[[], nn.Module]) -> float:
+    """The largest difference between ``build()``'s model unsharded and sharded with ``compile_blocks_once``."""
     torch.manual_seed(0)
-    model = NestedOutputModel()
+    model = build()
     x = torch.randn(4, 8)
     expected = model(x)
     simplefsdp.compile_sharded(model, compile_blocks_once=True, backend="aot_eager")
@@ -350,7 +352,7 @@ def test_blocks_may_return_constants_and_nested_tensors():
     fourth reuses the second's trace, so a structure recorded per region instead of per key would give the fourth
     block ``None`` where its mean is due. Bitwise, as ``aot_eager`` runs eager's ops on the gathered weights (2 gloo
     ranks)."""
-    assert run_on_ranks(2, _nested_outputs_difference) == [0.0, 0.0]
+    assert run_on_ranks(2, _blocks_once_difference, NestedOutputModel) == [0.0, 0.0]
 
 
 class ScaledBlock(ReluBlock):
@@ -373,18 +375,9 @@ class ScaledModel(nn.Module):
         return x
 
 
-def _scaled_blocks_difference() -> float:
-    torch.manual_seed(0)
-    model = ScaledModel()
-    x = torch.randn(4, 8)
-    expected = model(x)
-    simplefsdp.compile_sharded(model, compile_blocks_once=True, backend="aot_eager")
-    return (model(x) - expected).abs().max().item()
-
-
 def test_blocks_reuse_a_traced_region_only_for_the_same_arguments():
     """A region's traced code is reused only for the same keywords' values and nested arguments of the same shapes:
     reused for another ``scale`` or shape of ``pair[1]`` (whose ``dim()`` is traced as a constant), the blocks would
     compute the wrong values: each of the two fails this test when the key leaves it out. Bitwise, as
     ``aot_eager`` runs eager's ops on the gathered weights (2 gloo ranks)."""
-    assert run_on_ranks(2, _scaled_blocks_difference) == [0.0, 0.0]
+    assert run_on_ranks(2, _blocks_once_difference, ScaledModel) == [0.0, 0.0]
