@@ -156,7 +156,8 @@ def _inline_gather_regions(gm: fx.GraphModule) -> None:
     """Replace each call of a region that takes a DTensor (``runtime/block_regions.py``: a block's gathers, traced
     once by Dynamo) by the region's nodes, named by the calling block (``nn_module_stack``, checkpoint bodies
     included): its collectives join the outer graph, where the passes bucket and reorder them as if traced per
-    block, and AOTAutograd sees no region with DTensor inputs, which it cannot partition."""
+    block, and AOTAutograd sees no region with DTensor inputs, which it cannot partition. The clones the region returns
+    are dropped: each output is the tensor it clones."""
     calls = [node for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
              if any(isinstance(arg, fx.Node) and isinstance(arg.meta.get("example_value"), DTensor)
                     for arg in node.args[2:])]
@@ -164,8 +165,11 @@ def _inline_gather_regions(gm: fx.GraphModule) -> None:
     for index, call in enumerate(calls):
         region, stack = getattr(gm, call.args[0].target), call.meta.get("nn_module_stack")
         values = dict(zip(region.graph.find_nodes(op="placeholder"), call.args[2:]))
+        clones = region.graph.output_node().args[0]
         with gm.graph.inserting_before(call):
             for node in region.graph.nodes:
+                if node in clones:
+                    continue
                 if node.op == "get_attr":  # a checkpoint's body: a copy per call, named by the calling block
                     name = f"{node.target}_of_gather_{index}"
                     gm.add_submodule(name, _with_module_stack(getattr(region, node.target), stack))
@@ -174,9 +178,8 @@ def _inline_gather_regions(gm: fx.GraphModule) -> None:
                 elif node.op not in ("placeholder", "output"):
                     values[node] = gm.graph.node_copy(node, values.__getitem__)
                     values[node].meta["nn_module_stack"] = stack
-        outputs = region.graph.output_node().args[0]
         for user in list(call.users):
-            user.replace_all_uses_with(values[outputs[user.args[1]]])
+            user.replace_all_uses_with(values[_cloned(clones[user.args[1]])])
             gm.graph.erase_node(user)
         gm.graph.erase_node(call)
     for node in regions:
@@ -184,6 +187,12 @@ def _inline_gather_regions(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
     if calls:
         gm.recompile()
+
+
+def _cloned(output: fx.Node) -> fx.Node:
+    """What a gather region's ``output`` clones (it returns clones: a region may not return a view of its input)."""
+    assert output.target in ("clone", torch.clone), f"a gather region returns clones, not {output.format_node()}"
+    return output.args[0]
 
 
 def _with_module_stack(module: fx.GraphModule, stack: dict | None) -> fx.GraphModule:

@@ -31,7 +31,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from simplefsdp.runtime.replicate_compute import ReplicateComputation, all_gathered
+from simplefsdp.runtime.replicate_compute import ReplicateComputation
 
 
 def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: ReplicateComputation,
@@ -45,7 +45,9 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
     regions: dict[tuple, dict[bool, Callable]] = {}
 
     def gather(*params):
-        return replicate.gather_shards(*params)
+        # A region may not return a view of its input, as a gather without an all-gather is (one rank, a replicated
+        # parameter): it returns clones, which the backend drops as it inlines the region.
+        return [tensor.clone() for tensor in replicate.gather_shards(*params)]
 
     gather_region = torch.compiler.nested_compile_region(gather) if gathers_in_region else None
     for fqn in blocks:
@@ -62,10 +64,9 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
         if signature not in regions:
             regions[signature] = {training: _region(_template(block).train(training), names, checkpointing)
                                   for training in (True, False)}
-        gathers = (gather_region, tuple(all_gathered(module._parameters[name]) for _, module, name in reads))
         own_forward = None if strict else block.forward
         block.forward = functools.partial(_run_block, fqn, tuple(block.modules()), [read[1:] for read in reads],
-                                          [buffer for _, buffer in buffers], replicate, gathers, regions[signature],
+                                          [buffer for _, buffer in buffers], replicate, gather_region, regions[signature],
                                           own_forward)
 
 
@@ -178,10 +179,9 @@ def _describe(value) -> object:
 
 def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Module, str]],
                buffers: list[torch.Tensor], replicate: ReplicateComputation,
-               gathers: tuple[Callable | None, tuple[bool, ...]], regions: dict[bool, Callable],
+               gather_region: Callable | None, regions: dict[bool, Callable],
                own_forward: Callable | None, *args, **kwargs):
-    """Gather the block's parameters (``reads``; ``gathers``: ``gather_all``'s region and flags, taken at install, as
-    Dynamo would trace the flags per block), then run its compute in the region of its mode (``regions``: the training
+    """Gather the block's parameters (``reads``, through ``gather_region`` if not None), then run its compute in the region of its mode (``regions``: the training
     one and the eval one), that of all its ``modules`` (a tuple: Dynamo traces ``block.modules()``'s recursion at a
     cost per block). A call no region can run goes to ``own_forward``, or raises where that is None."""
     modes = {module.training for module in modules}
@@ -196,7 +196,7 @@ def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Mo
         raise ValueError(f"compile_blocks_once passes a block only tensors and constants (None, bool, int, float, "
                          f"str); {fqn!r} got a {type(odd).__name__}: stop passing it (a Hugging Face model's "
                          "key-value cache: use_cache=False) or pass compile_blocks_once=False")
-    return regions[modes.pop()](*replicate.gather_all(reads, *gathers), *buffers, *args, **kwargs)
+    return regions[modes.pop()](*replicate.gather_all(reads, gather_region), *buffers, *args, **kwargs)
 
 
 def block_regions_refusal(model: nn.Module, blocks: tuple[str, ...]) -> str | None:

@@ -123,23 +123,17 @@ class ReplicateComputation:
             return checkpoint(gather, *args, use_reentrant=False, context_fn=_reshard_context)
         return gather(*args)
 
-    def gather_all(self, reads: list[tuple[nn.Module, str]], region: Callable | None = None,
-                   all_gathered: tuple[bool, ...] = ()) -> list[torch.Tensor]:
+    def gather_all(self, reads: list[tuple[nn.Module, str]], region: Callable | None = None) -> list[torch.Tensor]:
         """``getattr(module, name)`` for each of ``reads`` in one region recomputed in backward when resharding after
-        forward (not one per parameter); a parameter read twice is gathered once. With ``region`` (a nested compile
-        region of ``gather_shards``), where no gradient is routed to an accumulator nor quantized, the reads flagged
-        in ``all_gathered`` (``all_gathered(param)`` of each) go through it: Dynamo traces the gathers of blocks alike
-        once."""
+        forward (not one per parameter); a parameter read twice, or gathered already for this call, is gathered once.
+        With ``region`` (a nested compile region of ``gather_shards``), where no gradient is routed to an accumulator
+        nor quantized, the gathers go through it: Dynamo traces the gathers of blocks alike once."""
         gathered = dict(self.gathers.gathered or {})
-        if region is not None and self.quantize is None and not self.sync.reductions_registered:
-            sharded = {module._gather_keys[name]: module._parameters[name]
-                       for (module, name), flag in zip(reads, all_gathered)
-                       if flag and module._gather_keys[name] not in gathered}
-            if sharded:
-                gathered.update(zip(sharded, region(*sharded.values())))
         rest = {module._gather_keys[name]: (module, name) for module, name in reads
                 if module._gather_keys[name] not in gathered}
-        if rest:
+        if rest and region is not None and self.quantize is None and not self.sync.reductions_registered:
+            gathered.update(zip(rest, region(*[module._parameters[name] for module, name in rest.values()])))
+        elif rest:
             gathered.update(zip(rest, self._recomputed(self._gather_each, list(rest.values()))))
         return [gathered[module._gather_keys[name]] for module, name in reads]
 
@@ -153,13 +147,6 @@ class ReplicateComputation:
 
     def _gather_params(self, *params: DTensor) -> list[torch.Tensor]:
         return [self.gather(param, None) for param in params]
-
-
-def all_gathered(param: DTensor) -> bool:
-    """Whether gathering ``param`` all-gathers it (it is sharded over more than one rank): a new tensor, where a
-    replicated parameter's gather returns a view of its shard, which a compile region may not return."""
-    return any(placement.is_shard() and param.device_mesh.size(dim) > 1
-               for dim, placement in enumerate(param.placements))
 
 
 def install_getters(module: nn.Module, keys: dict[str, int], accumulators: dict[str, torch.Tensor],
