@@ -66,8 +66,8 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
                                   for training in (True, False)}
         own_forward = None if strict else block.forward
         block.forward = functools.partial(_run_block, fqn, tuple(block.modules()), [read[1:] for read in reads],
-                                          [buffer for _, buffer in buffers], replicate, gather_region, regions[signature],
-                                          own_forward)
+                                          [buffer for _, buffer in buffers], replicate, gather_region,
+                                          regions[signature], own_forward)
 
 
 def _structure(block: nn.Module) -> tuple:
@@ -181,9 +181,10 @@ def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Mo
                buffers: list[torch.Tensor], replicate: ReplicateComputation,
                gather_region: Callable | None, regions: dict[bool, Callable],
                own_forward: Callable | None, *args, **kwargs):
-    """Gather the block's parameters (``reads``, through ``gather_region`` if not None), then run its compute in the region of its mode (``regions``: the training
-    one and the eval one), that of all its ``modules`` (a tuple: Dynamo traces ``block.modules()``'s recursion at a
-    cost per block). A call no region can run goes to ``own_forward``, or raises where that is None."""
+    """Gather the block's parameters (``reads``, through ``gather_region`` if not None), then run its compute in the
+    region of its mode (``regions``: the training one and the eval one), that of all its ``modules`` (a tuple: Dynamo
+    traces ``block.modules()``'s recursion at a cost per block). A call no region can run goes to ``own_forward``, or
+    raises where that is None."""
     modes = {module.training for module in modules}
     odd = next((leaf for leaf in tree_leaves((args, kwargs))
                 if not isinstance(leaf, (torch.Tensor, *_PLAIN, *_SYMBOLIC))), None)
