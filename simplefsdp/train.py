@@ -293,7 +293,9 @@ def train(args: argparse.Namespace) -> None:
             say(f"wrote {plots.loss_chart(args.plot, title, trained, losses)}")
     else:
         say(f"summary: the checkpoint is already at step {start} >= --steps {args.steps}; nothing to train")
-    dist.destroy_process_group()
+    # No rank leaves while another still needs it: rank 0 hosts the group's stores (torch's and torchft's
+    # manager), which a slower rank still reads in its last quorum. ``run`` then exits without gloo's teardown.
+    dist.barrier()
 
 
 def summarize(say, args, start, losses, step_times, mfus, tokens_per_step, world, optimizer) -> None:
