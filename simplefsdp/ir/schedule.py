@@ -109,6 +109,7 @@ def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | N
     param_fqns = param_fqns or {}
     inputs, nodes, outputs = [], [], []
     fqns: dict[str, str] = {}
+    regions: dict[fx.GraphModule, tuple[ScheduleNode, ...]] = {}
     dag = nx.DiGraph()
     for fx_node in gm.graph.nodes:
         if fx_node.op == "placeholder":
@@ -117,7 +118,7 @@ def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | N
         elif fx_node.op == "output":
             outputs = [arg.name if isinstance(arg, fx.Node) else None for arg in tree_flatten(fx_node.args)[0]]
         elif fx_node.op == "call_function":
-            node = _read_node(fx_node, fqns)
+            node = _read_node(fx_node, fqns, regions)
             fqns[node.name] = node.fqn
             nodes.append(node)
             dag.add_node(node.name, node=node)
@@ -166,8 +167,9 @@ def _call(fx_node: fx.Node) -> _Call:
     return _Call(inner.target, args, kwargs)
 
 
-def _read_node(fx_node: fx.Node, fqns: dict[str, str]) -> ScheduleNode:
-    """``fqns``: the FQNs of the nodes read so far; a node of no module takes its first input's."""
+def _read_node(fx_node: fx.Node, fqns: dict[str, str], regions: dict) -> ScheduleNode:
+    """``fqns``: the FQNs of the nodes read so far; a node of no module takes its first input's. ``regions``: the
+    parts of each block subgraph read so far (a block compiled once is called once per block)."""
     call = _call(fx_node)
     inputs = tuple(dict.fromkeys(arg.name for arg in fx_node.all_input_nodes if arg.op != "get_attr"))
     fqn = node_fqn(fx_node) or next((fqns[name] for name in inputs if fqns.get(name)), "")
@@ -185,17 +187,21 @@ def _read_node(fx_node: fx.Node, fqns: dict[str, str]) -> ScheduleNode:
     if (alias := _aliased_input(call)) is not None:
         return ScheduleNode(kind=COMPUTE, alias_of=alias, **common)
     if isinstance(target, HigherOrderOperator) and target.name() == "invoke_subgraph":
-        return _read_region(fx_node, call, common)
+        return _read_region(fx_node, call, common, regions)
     read = dict.fromkeys(arg for arg in tree_flatten((call.args, call.kwargs))[0] if isinstance(arg, fx.Node))
     bytes_read = _bytes_of(arg.meta.get("val") for arg in read)
     return ScheduleNode(kind=COMPUTE, flops=_flops(fx_node, call), bytes_read=bytes_read, **common)
 
 
-def _read_region(fx_node: fx.Node, call: _Call, common: dict) -> ScheduleNode:
-    """A call of a block compiled once: its subgraph's nodes as ``parts``, their FLOPs and bytes summed."""
+def _read_region(fx_node: fx.Node, call: _Call, common: dict, regions: dict) -> ScheduleNode:
+    """A call of a block compiled once: its subgraph's nodes as ``parts`` (read once per subgraph, into
+    ``regions``), their FLOPs and bytes summed."""
     subgraph = getattr(fx_node.graph.owning_module, call.args[0].target)
-    fqns: dict[str, str] = {}
-    parts = tuple(_read_node(node, fqns) for node in subgraph.graph.nodes if node.op == "call_function")
+    if subgraph not in regions:
+        fqns: dict[str, str] = {}
+        regions[subgraph] = tuple(_read_node(node, fqns, regions) for node in subgraph.graph.nodes
+                                  if node.op == "call_function")
+    parts = regions[subgraph]
     return ScheduleNode(kind=COMPUTE, flops=sum(part.flops for part in parts), parts=parts,
                         bytes_read=sum(part.bytes_read for part in parts), **common)
 

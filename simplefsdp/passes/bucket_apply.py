@@ -38,9 +38,11 @@ def apply_buckets(graph: fx.Graph, plan: BucketPlan) -> None:
 def _one_wait(graph: fx.Graph, collective: fx.Node) -> None:
     """Make the first wait of ``collective`` serve every user of its other waits (a parameter read twice in one module
     can leave two), as merging expects one wait per collective."""
+    waits = [user for user in collective.users if user.target is torch.ops._c10d_functional.wait_tensor.default]
+    if len(waits) < 2:
+        return
     order = {node: index for index, node in enumerate(graph.nodes)}
-    waits = sorted((user for user in collective.users if user.target is torch.ops._c10d_functional.wait_tensor.default),
-                   key=order.__getitem__)
+    waits.sort(key=order.__getitem__)
     for extra in waits[1:]:
         extra.replace_all_uses_with(waits[0])
         graph.erase_node(extra)
