@@ -279,7 +279,8 @@ def train(args: argparse.Namespace) -> None:
             f"{share * tokens_per_step / step_times[-1]:10,.0f} tok/s  "
             f"MFU {mfus[-1]:6.2%}  {step_times[-1]:.3f} s{grad_note}{note}", flush=True)
         saves = committed and not (replicas and args.replica_group and args.replica_sync == "step")
-        if args.checkpoint_dir and saves and (step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)):
+        due = step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
+        if args.checkpoint_dir and saves and due:
             say(f"saved {save_checkpoint(checkpoint_root(args), step, model, optimizer)}", flush=True)
         begin = time.perf_counter()
 
