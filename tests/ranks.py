@@ -32,7 +32,10 @@ def apply_simulated_simdlen() -> None:
         torch._inductor.config.cpp.simdlen = int(os.environ["SIMPLEFSDP_TEST_SIMDLEN"])
 
 
-def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _rank_main(rank: int, world_size: int, port: int, out_dir: str, environment: dict, fn: Callable,
+               args: tuple) -> None:
+    os.environ.clear()  # the caller's environment, not the fork server's of its start
+    os.environ.update(environment)
     apply_simulated_simdlen()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -54,15 +57,22 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn: Callable
     os._exit(0)
 
 
+# Ranks are forked from a server that imported these once (about 7 s of a rank's start-up on 2 cores, which every
+# spawned rank paid again); modules that read the environment at import see the server's, taken at its start.
+mp.set_forkserver_preload(["torch", "torch._inductor.compile_fx", "torch.distributed.tensor"])
+
+
 def run_on_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:
-    """Call ``fn(*args)`` on ``world_size`` spawned gloo ranks; return each rank's result, rank order.
+    """Call ``fn(*args)`` on ``world_size`` new gloo ranks, in this process's environment; return each rank's result,
+    rank order.
 
     Any rank's exception is re-raised here with that rank's traceback.
     """
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(
-                _rank_main, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size, start_method="spawn"
+                _rank_main, args=(world_size, _free_port(), out_dir, dict(os.environ), fn, args), nprocs=world_size,
+                start_method="forkserver"
             )
         except mp.ProcessRaisedException:
             pass  # the rank's own traceback is in its result file
