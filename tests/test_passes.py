@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch._inductor.fx_passes import bucketing
 from torch._inductor.utils import run_and_get_code
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -25,6 +26,7 @@ from simplefsdp.ir.signature import collective_lines
 from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.passes.auto_buckets import module_names, plan_auto_buckets
 from simplefsdp.passes.bucket_plan import bucketable, find_blocks, group_collectives, plan_buckets
+from simplefsdp.passes import inductor_internals
 from simplefsdp.passes.inductor_internals import pin_order
 from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.reorder import plan_reorder
@@ -261,6 +263,26 @@ def test_block_buckets_rewrite_the_graphs(resharded, kept, reshard):
     assert before[0] > LAYERS + 2
     forward.lint()
     backward.lint()
+
+
+def test_buckets_alike_are_traced_once_into_the_same_graph(resharded, monkeypatch):
+    graphs, _, _ = resharded
+    trace, traced = bucketing._trace, []
+    monkeypatch.setattr(bucketing, "_trace", lambda fn, inputs: traced.append(fn) or trace(fn, inputs))
+    codes, traces = [], []
+    for reuse in (True, False):
+        if not reuse:  # every bucket traced, as Inductor's bucketing does on its own
+            monkeypatch.setattr(inductor_internals, "_signature", lambda fn, inputs: None)
+        traced.clear()
+        backward = copy.deepcopy(graphs.backward)
+        OverlapPasses("block", reorder=False, blocks=BLOCKS)(backward.graph)
+        codes.append(backward.code)
+        traces.append(len(traced))
+    assert codes[0] == codes[1]
+    # merged: an all-gather and a reduce-scatter bucket per layer and for the tail (norm, output); the head holds one
+    # parameter. With reuse, the later layers' buckets of each kind are copies of the first layer's trace.
+    assert traces[1] == 2 * LAYERS + 2
+    assert traces[0] == traces[1] - 2 * (LAYERS - 1)
 
 
 def test_pass_uuid_follows_options():

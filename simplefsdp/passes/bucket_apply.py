@@ -14,8 +14,8 @@ from torch import fx
 
 from simplefsdp.passes.bucket_plan import BucketPlan
 from simplefsdp.passes.reorder import needed_after
-from simplefsdp.passes.inductor_internals import (merge_all_gathers, merge_all_reduces, merge_all_to_alls,
-                                                   merge_reduce_scatters, topological_sort)
+from simplefsdp.passes.inductor_internals import (bucket_traces_reused, merge_all_gathers, merge_all_reduces,
+                                                   merge_all_to_alls, merge_reduce_scatters, topological_sort)
 
 
 def apply_buckets(graph: fx.Graph, plan: BucketPlan) -> None:
@@ -23,15 +23,16 @@ def apply_buckets(graph: fx.Graph, plan: BucketPlan) -> None:
     by_name = {node.name: node for node in graph.nodes}
     merge = {"all_gather": merge_all_gathers, "reduce_scatter": merge_reduce_scatters,
              "all_reduce": merge_all_reduces, "all_to_all": merge_all_to_alls}
-    for bucket in (bucket for bucket in plan.buckets if len(bucket.collectives) > 1):
-        collectives = [by_name[name] for name in bucket.collectives]
-        for collective in collectives:
-            _one_wait(graph, collective)
-        if bucket.kind == "all_gather":
-            for later in collectives[1:]:
-                for node in needed_after(graph, later, collectives[0].prev)[:-1]:
-                    collectives[0].prepend(node)
-        merge[bucket.kind](graph, collectives)
+    with bucket_traces_reused():
+        for bucket in (bucket for bucket in plan.buckets if len(bucket.collectives) > 1):
+            collectives = [by_name[name] for name in bucket.collectives]
+            for collective in collectives:
+                _one_wait(graph, collective)
+            if bucket.kind == "all_gather":
+                for later in collectives[1:]:
+                    for node in needed_after(graph, later, collectives[0].prev)[:-1]:
+                        collectives[0].prepend(node)
+            merge[bucket.kind](graph, collectives)
     topological_sort(graph)
 
 

@@ -5,18 +5,26 @@ our ``bucket_copies.all_gather_bucket`` in place of all-gathers (folding a cast 
 ``merge_reduce_scatter_bucket`` (``custom_ops`` mode) copies gradients in with one opaque op and out as views. Padding
 for uneven shards stays outside the merged region. ``merge_all_reduce_bucket`` all-reduces gradients concatenated;
 all-to-alls (quantized gradients) go side by side through ``bucket_copies.all_to_all_bucket``.
-``preserve_node_ordering`` adds dependencies Inductor's scheduler must respect.
+``preserve_node_ordering`` adds dependencies Inductor's scheduler must respect. ``bucket_traces_reused`` swaps
+the bucketing module's ``_trace`` (its ``make_fx`` of a bucket's body) for one that traces each signature once.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, Callable, Hashable, Iterator
+from unittest import mock
+
+import torch
 import torch.distributed as dist
 from torch import fx
+from torch._inductor.fx_passes import bucketing
 from torch._inductor.fx_passes.bucketing import (merge_all_reduce_bucket, merge_reduce_scatter_bucket,
                                                  process_collective_bucket)
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.utils._ordered_set import OrderedSet
+from torch.utils._pytree import tree_flatten
 
 from simplefsdp.ir.schedule import pinned, process_group
 from simplefsdp.passes.bucket_copies import all_gather_bucket, all_to_all_bucket
@@ -53,6 +61,47 @@ def merge_all_to_alls(graph: fx.Graph, all_to_alls: list[fx.Node]) -> None:
         process_collective_bucket(graph, nodes, all_to_all_bucket, insert_before=nodes[-1].next,
                                   trace_args_fn=lambda inputs, nodes=nodes: (
                                       [node.meta["val"] for node in inputs], *nodes[0].args[1:4]))
+
+
+@contextlib.contextmanager
+def bucket_traces_reused() -> Iterator[None]:
+    """Inside, Inductor's bucketing traces a bucket's body once per signature (the function, its inputs' shapes,
+    strides and dtypes, its constants) and inserts that graph again for every bucket alike (a model's blocks).
+
+    The inserted copies share fake values: Inductor recomputes every new node's after our pass (its
+    ``FakeTensorUpdater``), and a schedule reads only their shapes and dtypes."""
+    trace, traced = bucketing._trace, {}
+
+    def trace_once(fn: Callable, inputs: tuple) -> fx.GraphModule:
+        if (key := _signature(fn, inputs)) is None:
+            return trace(fn, inputs)
+        if key not in traced:
+            traced[key] = trace(fn, inputs)
+        return traced[key]
+
+    with mock.patch.object(bucketing, "_trace", trace_once):
+        yield
+
+
+def _signature(fn: Callable, inputs: tuple) -> Hashable | None:
+    """What a trace of ``fn(*inputs)`` depends on; None where a size is symbolic or a constant is not hashable."""
+    leaves, spec = tree_flatten(inputs)
+    parts: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            sizes = (*leaf.shape, *leaf.stride())
+            if not all(isinstance(size, int) for size in sizes):
+                return None
+            leaf = (sizes, leaf.dtype, leaf.device, leaf.requires_grad)
+        elif isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return None
+        parts.append(leaf)
+    key = (fn, str(spec), tuple(parts))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 topological_sort = stable_topological_sort  # each node after its inputs, moving as few nodes as possible
