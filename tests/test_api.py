@@ -9,13 +9,16 @@ import sys
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from simplefsdp import compile_sharded
 from simplefsdp.ir.hardware import local_profile
 from simplefsdp.models.llama import build_model
 from simplefsdp.passes.install import OverlapPasses
+from simplefsdp.runtime.fake_world import fake_world as world_of
+from simplefsdp.runtime.sharding import distribute
 from scenarios import TwoLinears
 
 
@@ -48,6 +51,23 @@ def test_state_dict_holds_shards_and_issues_no_collective(fake_world):
     weight = state["layers.0.feed_forward.w1.weight"]
     assert isinstance(weight, DTensor) and weight.placements == (Shard(0),)
     assert weight.to_local().shape == (192 // 8, 64)
+
+
+def test_a_tensor_with_no_values_is_sharded_to_the_sizes_distribute_tensor_gives():
+    # 8 ranks: 3 and 13 rows leave some ranks fewer rows or none; 0 rows leave every rank none
+    for rank in range(8):
+        with world_of(8, rank):
+            for mesh, placements in ((init_device_mesh("cpu", (8,)), [Shard(0)]),
+                                     (init_device_mesh("cpu", (2, 4)), [Replicate(), Shard(0)]),
+                                     (init_device_mesh("cpu", (2, 4)), [Shard(1), Shard(0)])):
+                for shape in ((13, 3), (3, 5), (8,), (0, 4), (5, 2)):
+                    if len(shape) <= max(p.dim for p in placements if isinstance(p, Shard)):
+                        continue
+                    param = torch.empty(shape, device="meta")
+                    ours, theirs = distribute(param, mesh, placements), distribute_tensor(param, mesh, placements)
+                    assert ours.to_local().shape == theirs.to_local().shape, (rank, placements, shape)
+                    assert (ours.shape, ours.stride(), ours.placements) == (theirs.shape, theirs.stride(),
+                                                                             theirs.placements)
 
 
 def test_collective_counter_sees_collectives(fake_world):

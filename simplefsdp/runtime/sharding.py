@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake  # private: the only test for a fake tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from simplefsdp.runtime.grad_sync import new_accumulator
 from simplefsdp.runtime.quantize import new_error_buffer
@@ -22,6 +24,23 @@ PLACEMENTS = {"fully_shard": (Shard(0),), "replicate": (Replicate(),), "hybrid_s
 def placements(param: torch.Tensor, mode: str) -> tuple:
     """``mode``'s placements for ``param``; a 0-dim parameter (a learned scalar) has no dim 0 and is replicated."""
     return PLACEMENTS[mode] if param.dim() else (Replicate(),) * len(PLACEMENTS[mode])
+
+
+def distribute(param: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+    """``distribute_tensor(param, mesh, placements)``: rank 0's values, this rank's shard. A tensor with no values
+    (meta or fake) gets an empty local shard of the same size, without being split into a chunk per rank (which
+    costs 12 ms a parameter at 512 ranks)."""
+    if not (param.is_meta or is_fake(param)):
+        return distribute_tensor(param.detach(), mesh, placements)
+    shape = list(param.shape)
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):  # torch.chunk's split: ceil(size / ranks) rows a rank, fewer or none last
+            size = shape[placement.dim]
+            rows = -(-size // mesh.size(mesh_dim))
+            start = rows * mesh.get_local_rank(mesh_dim)
+            shape[placement.dim] = max(0, min(size, start + rows) - start)
+    return DTensor.from_local(param.new_empty(shape), mesh, placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
 def check_not_sharded(module: nn.Module) -> None:
@@ -62,7 +81,7 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
             if id(param) not in sharded:
                 computed = param.to_local() if isinstance(param, DTensor) else param  # what the forward reads
                 dtensor = (shard_tensor_parallel(param, mesh) if isinstance(param, DTensor)
-                           else distribute_tensor(param.detach(), mesh, placements(param, mode)))
+                           else distribute(param, mesh, placements(param, mode)))
                 new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
                 error = new_error_buffer(param, mesh, placements(param, mode), replicate.quantize)
                 accumulator = new_accumulator(computed, mesh.device_type, replicate.reduce_dtype)
