@@ -10,6 +10,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake  # private: the only test for a fake tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private: as meta_init.py
 
 from simplefsdp.runtime.grad_sync import new_accumulator
 from simplefsdp.runtime.quantize import new_error_buffer
@@ -32,13 +33,7 @@ def distribute(param: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Place
     costs 12 ms a parameter at 512 ranks)."""
     if not (param.is_meta or is_fake(param)):
         return distribute_tensor(param.detach(), mesh, placements)
-    shape = list(param.shape)
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):  # torch.chunk's split: ceil(size / ranks) rows a rank, fewer or none last
-            size = shape[placement.dim]
-            rows = -(-size // mesh.size(mesh_dim))
-            start = rows * mesh.get_local_rank(mesh_dim)
-            shape[placement.dim] = max(0, min(size, start + rows) - start)
+    shape, _ = compute_local_shape_and_global_offset(param.shape, mesh, placements)
     return DTensor.from_local(param.new_empty(shape), mesh, placements, run_check=False, shape=param.shape,
                               stride=param.stride())
 
