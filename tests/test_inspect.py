@@ -264,6 +264,12 @@ def test_model_that_fails_to_trace_is_one_line_naming_the_fix():
     assert "\n" not in message and "DataDependent" in message and "fullgraph=True" in message
 
 
+def test_model_with_nothing_to_train_is_one_line_naming_why():
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(TraceError, match="Linear returned no tensor that requires grad, so there is no backward"):
+        simplefsdp.inspect(frozen, (torch.randn(2, 4),), world_size=2)
+
+
 def test_cli_reports_bad_input_in_one_line(capsys):
     with pytest.raises(SystemExit) as error:
         main(["inspect", "--model", "debug", "--world-size", "12", "--mode", "hybrid_shard"])
