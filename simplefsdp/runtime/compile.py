@@ -18,7 +18,7 @@ from torch import _TorchCompileInductorWrapper  # private: torch.compile's Induc
 from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler  # private: AOTAutograd's key
 from torch._inductor import config as inductor_config
 from torch._inductor.codecache import FxGraphCachePickler  # private: the pickler of the FX graph cache key
-from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # private: Inductor's compile, per graph
+from torch._inductor.compile_fx import compile_fx  # private: Inductor's compile of a Dynamo graph
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -56,21 +56,34 @@ class InductorOncePerHost(_TorchCompileInductorWrapper):
 
     def __call__(self, model_, inputs_, *, config_patches=None):
         check_vector_isas_once_per_machine()  # here, not at compile_sharded: its cost is the first step's
-        with compiling_regions(model_):
-            return compile_fx(model_, inputs_, inner_compile=compile_graph_once_per_host,
-                              config_patches={**self.config, **(config_patches or {})}, compile_region_name=self.name)
+        # the backward compiled with the forward, under the lock: AOTAutograd caches a graph once both are compiled
+        with (compiling_regions(model_), _graph_lock(model_, inputs_),
+              torch._functorch.config.patch(force_non_lazy_backward_lowering=True)):
+            return compile_fx(model_, inputs_, config_patches={**self.config, **(config_patches or {})},
+                              compile_region_name=self.name)
 
 
-def compile_graph_once_per_host(gm: torch.fx.GraphModule, example_inputs, **kwargs):
-    """Inductor's ``compile_fx_inner`` under the lock of this graph (code, input shapes and strides, forward or
-    backward); a no-op wrapper where the FX graph cache is off, as nothing would be loaded."""
+@contextlib.contextmanager
+def _graph_lock(gm: torch.fx.GraphModule, example_inputs):
+    """Hold this host's lock of Dynamo's graph ``gm`` (its code, its inputs' shapes, strides and dtypes, a DTensor's
+    local shard's too) while it compiles: a process that waited finds the graph in AOTAutograd's cache and skips
+    AOTAutograd's tracing, the passes and Inductor. No lock where the FX graph cache is off: nothing would be
+    loaded."""
     if not inductor_config.fx_graph_cache:
-        return compile_fx_inner(gm, example_inputs, **kwargs)
-    inputs = [(tuple(x.shape), x.stride(), x.dtype) if isinstance(x, torch.Tensor) else _mesh_by_value(x)
-              for x in example_inputs]
-    key = hashlib.sha256(f"{gm.code}{inputs}{kwargs.get('is_backward')}".encode()).hexdigest()[:32]
+        yield
+        return
+    inputs = [_described(value) for value in example_inputs]
+    key = hashlib.sha256(f"{gm.code}{inputs}".encode()).hexdigest()[:32]
     with _file_lock(os.path.join(cache_dir(), "simplefsdp-compile-locks", key)):
-        return compile_fx_inner(gm, example_inputs, **kwargs)
+        yield
+
+
+def _described(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        return _reduce_dtensor_with_local_shard(None, value)[1]
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.stride(), value.dtype
+    return _mesh_by_value(value)
 
 
 @contextlib.contextmanager
