@@ -178,9 +178,9 @@ def test_a_failed_isa_check_is_not_recorded(tmp_path, monkeypatch):
 def test_two_processes_compiling_at_once_compile_each_graph_once(tmp_path):
     """Like 2 ranks of a host: both start compiling the same 2 Dynamo graphs (4 Inductor graphs) together on an empty
     cache; each Dynamo graph is compiled once, and the other process loads it from AOTAutograd's cache instead of
-    tracing its joint graph. These graphs are too small to show our lock at work: on 2 cores one process reached each compile
-    after the other had finished it, with the lock or without (`runtime/compile.py`); the lock's effect on 2 ranks
-    of a real model is measured in ARCHITECTURE.md."""
+    tracing its joint graph. These graphs are too small to show our lock at work: on 2 cores one process reached
+    each compile after the other had finished it, with the lock or without (`runtime/compile.py`); the lock's effect
+    on 2 ranks of a real model is measured in ARCHITECTURE.md."""
     (tmp_path / "start").mkdir()
     counters = compile_in_new_processes(str(tmp_path / "cache"), 2, START_TOGETHER=str(tmp_path / "start"))
     assert sum(c.get("fxgraph_cache_miss", 0) for c in counters) == 4, counters
