@@ -51,8 +51,8 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
 class InductorOncePerHost(_TorchCompileInductorWrapper):
     """``torch.compile``'s Inductor backend (same mode and options), compiling each graph under a file lock keyed by
     the graph: of the ranks of a host that compile the same graph at once, one compiles it and the others wait,
-    then load it from Inductor's FX graph cache, instead of all compiling it on the same cores. Ranks whose graphs
-    differ (uneven shards) hold different locks and compile side by side."""
+    then load it from AOTAutograd's cache, instead of all tracing and compiling it on the same cores. Ranks whose
+    graphs differ (uneven shards) hold different locks and compile side by side."""
 
     def __call__(self, model_, inputs_, *, config_patches=None):
         check_vector_isas_once_per_machine()  # here, not at compile_sharded: its cost is the first step's
