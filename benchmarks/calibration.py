@@ -107,7 +107,8 @@ def main() -> int:
     )
     time_ok = 1 / 1.5 <= predicted_time / step_time <= 1.5
     memory_ok = abs(predicted_peak - peak) <= 0.25 * peak
-    print(f"step time within 1.5x: {'yes' if time_ok else 'NO'}; peak memory within 25%: {'yes' if memory_ok else 'NO'}")
+    print(f"step time within 1.5x: {'yes' if time_ok else 'NO'}; "
+          f"peak memory within 25%: {'yes' if memory_ok else 'NO'}")
     return 0 if time_ok and memory_ok else 1
 
 

@@ -30,7 +30,8 @@ CONTENDERS = ("passes-on", "passes-off", "torchtitan")
 
 
 def torchtitan_data_parallel():
-    """torchtitan's SimpleFSDP ``data_parallel``; its module base class (torchtitan's config system) as ``nn.Module``."""
+    """torchtitan's SimpleFSDP ``data_parallel``; its module base class (torchtitan's config system) as
+    ``nn.Module``."""
     from torch import nn
 
     shim = types.ModuleType("torchtitan.protocols.module")
@@ -77,7 +78,8 @@ def one_run(contender: str) -> dict:
         loss.backward()
         first_step = time.perf_counter() - start
     return {"contender": contender, "first_step_s": first_step, "pass_s": sum(pass_seconds),
-            "fx_hits": counters["inductor"]["fxgraph_cache_hit"], "aot_hits": counters["aot_autograd"]["autograd_cache_hit"]}
+            "fx_hits": counters["inductor"]["fxgraph_cache_hit"],
+            "aot_hits": counters["aot_autograd"]["autograd_cache_hit"]}
 
 
 def measure(repeats: int, contenders: list[str]) -> list[dict]:

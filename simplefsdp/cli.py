@@ -58,12 +58,14 @@ def _workload(model: str, batch_size: int, seq_len: int | None, dtypes: tuple) -
     parser.add_argument("--model", default=model, choices=sorted(CONFIGS), help=f"reference model ({model})")
     parser.add_argument("--layers", type=_at_least_one, default=None,
                         help="transformer blocks (default: the named model's count)")
-    parser.add_argument("--batch-size", type=int, default=batch_size, help=f"sequences per rank per step ({batch_size})")
-    parser.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per sequence ({seq_len or 'the maximum'})")
+    parser.add_argument("--batch-size", type=int, default=batch_size,
+                        help=f"sequences per rank per step ({batch_size})")
+    parser.add_argument("--seq-len", type=int, default=seq_len,
+                        help=f"tokens per sequence ({seq_len or 'the maximum'})")
     for option, default, use in zip(("--param-dtype", "--reduce-dtype"), dtypes, ("gather and compute", "gradient")):
         shown = str(default).removeprefix("torch.") if default else "the parameter's own"
-        parser.add_argument(option, type=_choice(DTYPES, "dtype"), default=default, metavar="{" + ",".join(DTYPES) + "}",
-                            help=f"{use} dtype ({shown})")
+        parser.add_argument(option, type=_choice(DTYPES, "dtype"), default=default,
+                            metavar="{" + ",".join(DTYPES) + "}", help=f"{use} dtype ({shown})")
     parser.add_argument("--quantize-gather", choices=["int8"], help="send weight all-gathers in this format")
     parser.add_argument("--quantize-reduce", choices=["int8", "int4"],
                         help="exchange gradients in this format, with error feedback")
@@ -124,7 +126,8 @@ def _replica_sync() -> argparse.ArgumentParser:
                         help="between replica groups: average gradients every step (step), exchange DeMo's top "
                              "momentum components every step with sign-SGD (demo, FlexDeMo), or average "
                              "pseudo-gradients every --sync-every steps of AdamW (diloco)")
-    parser.add_argument("--sync-every", type=int, default=32, metavar="H", help="with diloco: inner steps per outer (32)")
+    parser.add_argument("--sync-every", type=int, default=32, metavar="H",
+                        help="with diloco: inner steps per outer (32)")
     parser.add_argument("--demo-chunk", type=int, default=64, help="with demo: the DCT chunk's side (64, DeMo's)")
     parser.add_argument("--demo-top-k", type=int, default=32, help="with demo: components sent per chunk (32, DeMo's)")
     return parser
@@ -141,10 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--variable-seq-len", action="store_true",
                          help="each step draws its sequence length in [seq-len/2, seq-len] from --seed")
     command.add_argument("--max-norm", type=float, default=None, help="clip the total gradient norm to this value")
-    command.add_argument("--init-on-meta", action="store_true", help="build on meta, allocate and initialize shards only")
+    command.add_argument("--init-on-meta", action="store_true",
+                         help="build on meta, allocate and initialize shards only")
     command.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints (DCP) here")
     command.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps; the last step always")
-    command.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    command.add_argument("--resume", action="store_true",
+                         help="continue from the latest checkpoint in --checkpoint-dir")
     command.add_argument("--data", default=None, help="a text file (byte tokens); synthetic tokens when absent")
     command.add_argument("--no-compile", dest="compile", action="store_false", help="run the sharded model eagerly")
     command.add_argument("--plot", default=None, metavar="PATH", help="write the loss per step as a PNG (matplotlib)")
@@ -173,8 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     command.set_defaults(module="simplefsdp.train")
 
     command = commands.add_parser("inspect", help="trace a reference model at any world size and predict its step",
-                                  parents=[_workload("llama3-8b", 1, None, (torch.bfloat16, torch.float32)), _sharding(),
-                                           _replica_sync()])
+                                  parents=[_workload("llama3-8b", 1, None, (torch.bfloat16, torch.float32)),
+                                           _sharding(), _replica_sync()])
     command.add_argument("--world-size", type=int, default=8, help="ranks to shard over (traced in this process)")
     command.add_argument("--rank", type=int, default=0, help="the rank of the world whose graphs are traced")
     command.add_argument("--dynamic", action="store_true", help="trace batch and sequence sizes as symbols")
@@ -188,11 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "summary.json, timeline.png (with matplotlib) and trace.json")
     command.set_defaults(module="simplefsdp.inspection")
 
-    command = commands.add_parser("bench", help="compare simplefsdp with FSDP2, DDP and a local baseline, side by side",
-                                  parents=[_workload("cpu-small", 4, 128, (None, None)), _accumulation(), _local_ranks()])
+    command = commands.add_parser("bench",
+                                  help="compare simplefsdp with FSDP2, DDP and a local baseline, side by side",
+                                  parents=[_workload("cpu-small", 4, 128, (None, None)), _accumulation(),
+                                           _local_ranks()])
     command.add_argument("--steps", type=int, default=20, help="measured steps per contender")
     command.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation happens here)")
-    command.add_argument("--only", type=contenders_arg, default=None, help=f"NAME[,NAME] of: {', '.join(CONTENDER_NAMES)}")
+    command.add_argument("--only", type=contenders_arg, default=None,
+                         help=f"NAME[,NAME] of: {', '.join(CONTENDER_NAMES)}")
     command.add_argument("--json", default="runs/bench.json", help="where to write the results as JSON")
     command.add_argument("--plot", default=None, metavar="PATH", help="where to write the bar chart as a PNG "
                          "(default runs/bench.png, skipped with a note when matplotlib is not installed)")

@@ -202,17 +202,17 @@ def inspect(
     attention traced as the flash kernel a GPU runs) or ``"cuda"`` (fake CUDA tensors: the ops, casts and attention
     kernel that dispatch picks on this machine's GPU; needs a CUDA build of torch and a CUDA device, no GPU memory);
     default ``"cuda"`` for a GPU ``hardware`` profile where a CUDA device is present, else ``"meta"``. ``hardware``:
-    a profile name (``h100``,
-    ``a100``, ``cpu``), a JSON path or a ``HardwareProfile``; it also prices ``buckets="auto"``. The pass options
-    and ``quantize`` are ``compile_sharded``'s. ``dynamic`` traces sizes as symbols, priced at ``example_inputs``'
-    sizes.
+    a profile name (``h100``, ``a100``, ``cpu``), a JSON path or a ``HardwareProfile``; it also prices
+    ``buckets="auto"``. The pass options and ``quantize`` are ``compile_sharded``'s. ``dynamic`` traces sizes as
+    symbols, priced at ``example_inputs``' sizes.
     ``activation_checkpointing`` (``none``, ``selective``, ``full``) checkpoints each of ``model.layers`` as ``train``.
     ``loss_fn(output, *example_inputs)``, when given, is traced after the model, so the step includes its loss.
     ``replica_groups`` > 1 prices ``train --fault-tolerant``: that many groups of ``world_size`` ranks exchanging
-    after backward as ``replica_sync`` says (``replica_sync_price``'s keywords; default: averaging gradient shards). ``tp`` > 1 prices FSDP x TP on a ``(world_size // tp, tp)``
-    mesh: ``parallelize_module`` with ``tp_plan`` (default: the reference Llama's, ``models/llama_tp.py``) over tp,
-    then ``fully_shard`` over dp. ``compile_blocks_once``: as ``compile_sharded``'s (``None``: on where
-    ``blocks_once_by_default`` says), and each distinct block is traced once.
+    after backward as ``replica_sync`` says (``replica_sync_price``'s keywords; default: averaging gradient shards).
+    ``tp`` > 1 prices FSDP x TP on a ``(world_size // tp, tp)`` mesh: ``parallelize_module`` with ``tp_plan``
+    (default: the reference Llama's, ``models/llama_tp.py``) over tp, then ``fully_shard`` over dp.
+    ``compile_blocks_once``: as ``compile_sharded``'s (``None``: on where ``blocks_once_by_default`` says), and each
+    distinct block is traced once.
     """
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size

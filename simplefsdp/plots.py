@@ -21,7 +21,8 @@ def missing() -> str | None:
 
 
 def _figure(width: float, height: float, rows: int = 1, **subplots):
-    """A figure on the Agg canvas and its ``rows`` axes, top to bottom; ImportError naming the extra without matplotlib."""
+    """A figure on the Agg canvas and its ``rows`` axes, top to bottom; ImportError naming the extra without
+    matplotlib."""
     if reason := missing():
         raise ImportError(f"drawing a PNG chart needs matplotlib: {reason}")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -68,7 +69,8 @@ def timeline_chart(path: str | Path, title: str, schedules: list[Schedule], pred
     """The predicted step: compute and communication lanes (collectives coloured by bucket) over the memory curve."""
     figure, (lanes, memory) = _figure(12, 5, rows=2, sharex=True, height_ratios=(1, 2))
     figure.suptitle(f"{title}\nstep {format_seconds(prediction.step_time)}, exposed communication "
-                    f"{format_seconds(prediction.exposed_communication)}, peak {format_bytes(prediction.memory.peak_bytes)}",
+                    f"{format_seconds(prediction.exposed_communication)}, "
+                    f"peak {format_bytes(prediction.memory.peak_bytes)}",
                     fontsize=9)
     bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for span, colour in zip(prediction.spans, span_colours(schedules, prediction, hardware)):

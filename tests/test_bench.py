@@ -77,7 +77,8 @@ def test_aot_eager_losses_are_bitwise_equal_to_fsdp2_eager(bench_run):
 def _rerun(results: dict, tmp_path: Path, capsys) -> tuple[int, str]:
     path = tmp_path / "edited.json"
     path.write_text(json.dumps(results))
-    code = main(["bench", "--from-json", str(path), "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "o.png")])
+    code = main(["bench", "--from-json", str(path), "--json", str(tmp_path / "out.json"),
+                 "--plot", str(tmp_path / "o.png")])
     return code, capsys.readouterr().out
 
 
@@ -133,8 +134,10 @@ def test_without_matplotlib_the_chart_is_skipped_in_one_line_unless_asked_for(be
     monkeypatch.chdir(tmp_path)
     saved = str(bench_run[0] / "bench.json")
     assert main(["bench", "--from-json", saved, "--json", "out.json"]) == 0
-    assert "skipped runs/bench.png: matplotlib is not installed; pip install 'simplefsdp[plot]'" in capsys.readouterr().out
+    assert ("skipped runs/bench.png: matplotlib is not installed; pip install 'simplefsdp[plot]'"
+            in capsys.readouterr().out)
     assert not (tmp_path / "runs").exists()
     with pytest.raises(SystemExit) as error:
         main(["bench", "--from-json", saved, "--plot", "chart.png"])
-    assert str(error.value) == "simplefsdp bench: --plot chart.png: matplotlib is not installed; pip install 'simplefsdp[plot]'"
+    assert str(error.value) == ("simplefsdp bench: --plot chart.png: matplotlib is not installed; "
+                                "pip install 'simplefsdp[plot]'")

@@ -52,7 +52,8 @@ def test_a_lighthouse_that_cannot_be_reached_is_named_without_hanging():
 @pytest.mark.parametrize("options, message", [
     (["--mode", "replicate"], "--fault-tolerant runs fully_shard inside each replica group"),
     (["--replica-groups", "0"], "--replica-groups must be at least 1"),
-    (["--replica-sync", "diloco", "--sync-every", "0"], "--sync-every, --demo-chunk and --demo-top-k must be at least 1"),
+    (["--replica-sync", "diloco", "--sync-every", "0"],
+     "--sync-every, --demo-chunk and --demo-top-k must be at least 1"),
     (["--replica-sync", "diloco", "--outer-momentum", "1"], "--outer-momentum in \\[0, 1\\); got 0.7, 1.0"),
     (["--replica-sync", "demo", "--optimizer", "galore"], "--replica-sync demo brings its own optimizer; drop "),
 ])

@@ -211,7 +211,8 @@ def test_cli_without_matplotlib_writes_everything_but_the_png_and_says_so(tmp_pa
     assert main(["inspect", "--model", "debug", "--seq-len", "16", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "trace.json").is_file() and not (tmp_path / "timeline.png").exists()
     skipped = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skipped")]
-    assert skipped == [f"skipped {tmp_path / 'timeline.png'}: matplotlib is not installed; pip install 'simplefsdp[plot]'"]
+    assert skipped == [f"skipped {tmp_path / 'timeline.png'}: matplotlib is not installed; "
+                       "pip install 'simplefsdp[plot]'"]
 
 
 def test_cli_pass_flags_reach_the_passes(tmp_path, capsys):

@@ -42,7 +42,8 @@ TWO_RANK_JOBS = {
     "passes-off-inductor-keep-unsharded": ("llama", "simplefsdp", {**PASSES_OFF, **KEEP_UNSHARDED}),
     "block-inductor": ("llama", "simplefsdp", {**INDUCTOR, "buckets": "block"}),
     "manual-no-reorder-inductor": ("llama", "simplefsdp", {**INDUCTOR, "buckets": MANUAL_PLAN, "reorder": False}),
-    "no-buckets-reorder-inductor-keep-unsharded": ("llama", "simplefsdp", {**INDUCTOR, **KEEP_UNSHARDED, "buckets": None}),
+    "no-buckets-reorder-inductor-keep-unsharded": (
+        "llama", "simplefsdp", {**INDUCTOR, **KEEP_UNSHARDED, "buckets": None}),
     "replicate-eager": ("llama", "simplefsdp", {**EAGER, "mode": "replicate"}),
     "replicate-inductor": (
         "llama", "simplefsdp", {**INDUCTOR, "mode": "replicate", "buckets": "block", "memory_budget": 2**17}),
@@ -71,7 +72,8 @@ FOUR_RANK_JOBS = {
     "tiny_first_dim-hybrid_shard-eager": ("tiny_first_dim", "simplefsdp", {**EAGER, **HYBRID}),
     "tiny_first_dim-hybrid_shard-inductor": ("tiny_first_dim", "simplefsdp", {**INDUCTOR, **HYBRID}),
 }
-JOBS = {**{name: (2, job) for name, job in TWO_RANK_JOBS.items()}, **{name: (4, job) for name, job in FOUR_RANK_JOBS.items()}}
+JOBS = {**{name: (2, job) for name, job in TWO_RANK_JOBS.items()},
+        **{name: (4, job) for name, job in FOUR_RANK_JOBS.items()}}
 
 
 @pytest.fixture(scope="module")

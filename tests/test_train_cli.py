@@ -22,7 +22,8 @@ from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.runtime.checkpoint import checkpoint_path, latest_checkpoint
 
 FAULT_INJECTION = Path(__file__).parent / "fault_injection"
-TRAIN = ["--model", "debug", "--nproc", "2", "--no-compile", "--grad-accum", "2", "--max-norm", "0.5", "--seq-len", "32"]
+TRAIN = ["--model", "debug", "--nproc", "2", "--no-compile", "--grad-accum", "2", "--max-norm", "0.5",
+         "--seq-len", "32"]
 
 
 def train(*options: str, kill: str | None = None, step_sleep: float = 0, timeout: float = 300

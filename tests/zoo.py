@@ -3,8 +3,8 @@
 Each entry builds its model from seed 0 (random init, no download), makes a global batch per step, and names its
 reference: ``"process"`` (one process on the whole batch) or ``"ddp"`` (``DistributedDataParallel`` on the same
 ranks, where batch statistics make one process train another model). Shapes are picked so that some parameters
-shard unevenly or leave a rank empty on 2 ranks (first dimensions 1, 3, 5, 33, 101). Language models run without a key-value cache (``use_cache=False``), as in
-training.
+shard unevenly or leave a rank empty on 2 ranks (first dimensions 1, 3, 5, 33, 101). Language models run without a
+key-value cache (``use_cache=False``), as in training.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def _encoder_decoder_tokens(step: int, size: int) -> tuple[tuple, torch.Tensor]:
 def _features(shape: tuple[int, ...], classes: int) -> Callable[[int, int], tuple[tuple, torch.Tensor]]:
     def batch(step: int, size: int) -> tuple[tuple, torch.Tensor]:
         generator = torch.Generator().manual_seed(100 + step)
-        return (torch.randn(size, *shape, generator=generator),), torch.randint(0, classes, (size,), generator=generator)
+        features = torch.randn(size, *shape, generator=generator)
+        return (features,), torch.randint(0, classes, (size,), generator=generator)
 
     return batch
 

@@ -177,7 +177,8 @@ def measure(args: argparse.Namespace) -> dict | None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     tokens = load_tokens(None, args.seed)
     selected = [contender for contender in CONTENDERS if args.only is None or contender.name in args.only]
-    rows = {c.name: {"name": c.name, "summary": c.summary, "distributed": c.distributed, "status": "ok"} for c in selected}
+    rows = {c.name: {"name": c.name, "summary": c.summary, "distributed": c.distributed, "status": "ok"}
+            for c in selected}
     timed: dict[str, TimedRun] = {}
     for index, contender in enumerate(selected, 1):
         say(f"[{index}/{len(selected)}] {contender.name}: {contender.summary}: warming up ...", flush=True)

@@ -45,7 +45,8 @@ class LlamaConfig:
 
 CONFIGS: dict[str, LlamaConfig] = {
     "debug": LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=128),
-    "cpu-small": LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=64, max_seq_len=512),
+    "cpu-small": LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=64,
+                             max_seq_len=512),
     "llama3-8b": LlamaConfig(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
         ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192,

@@ -2,10 +2,11 @@
 
 ``SIMPLEFSDP_TEST_KILL=<rank>:<point>:<n>[:<group>]`` makes that rank (of replica group ``<group>``, when given)
 SIGKILL itself on the n-th call of the point, in the job's first run only (not after an elastic restart):
-``step-end`` (``torch.optim.Optimizer.zero_grad``, after the optimizer stepped, any optimizer), ``checkpoint-write`` (DCP's ``FileSystemWriter.write_data``,
-mid-save), ``cross-replica`` (torchft's ``Manager.allreduce``: the other groups' all-reduce
-is under way) or ``cross-replica-gather`` (torchft's gloo group's ``allgather``, DeMo's exchange).
-``SIMPLEFSDP_TEST_STEP_SLEEP=<seconds>`` makes every step's ``zero_grad`` that long, so that a short run outlasts a restart.
+``step-end`` (``torch.optim.Optimizer.zero_grad``, after the optimizer stepped, any optimizer), ``checkpoint-write``
+(DCP's ``FileSystemWriter.write_data``, mid-save), ``cross-replica`` (torchft's ``Manager.allreduce``: the other
+groups' all-reduce is under way) or ``cross-replica-gather`` (torchft's gloo group's ``allgather``, DeMo's exchange).
+``SIMPLEFSDP_TEST_STEP_SLEEP=<seconds>`` makes every step's ``zero_grad`` that long, so that a short run outlasts a
+restart.
 """
 
 import os
@@ -22,7 +23,8 @@ if _sleep := float(os.environ.get("SIMPLEFSDP_TEST_STEP_SLEEP", "0")):
 _spec = os.environ.get("SIMPLEFSDP_TEST_KILL", "").split(":")
 _command = Path("/proc/self/cmdline").read_bytes().split(b"\0")
 if (len(_spec) > 2 and os.environ.get("RANK") == _spec[0] and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        and (len(_spec) == 3 or [b"--replica-group", _spec[3].encode()] in [_command[i:i + 2] for i in range(len(_command))])):
+        and (len(_spec) == 3
+             or [b"--replica-group", _spec[3].encode()] in [_command[i:i + 2] for i in range(len(_command))])):
     _, _point, _nth = _spec[:3]
     if _point == "cross-replica":
         from torchft.manager import Manager as _owner
