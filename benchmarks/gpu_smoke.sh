@@ -40,6 +40,7 @@ out = Path(sys.argv[1])
 median = float(re.search(r"median step ([0-9.]+) s", (out / "train.log").read_text()).group(1))
 final = json.loads((out / "inspect" / "summary.json").read_text())["stages"][-1]
 print(f"gpu_smoke: measured median step {median * 1e3:.1f} ms (forward, backward, optimizer); predicted "
-      f"{final['step_seconds'] * 1e3:.1f} ms (forward and backward), measured/predicted {median / final['step_seconds']:.2f}; "
+      f"{final['step_seconds'] * 1e3:.1f} ms (forward and backward), "
+      f"measured/predicted {median / final['step_seconds']:.2f}; "
       f"predicted peak {final['peak_bytes'] / 2**30:.2f} GiB per rank (bench.json has the measured peak)")
 EOF
