@@ -166,7 +166,7 @@ def test_train_with_galore_resumes_exactly_across_a_refresh_and_reports_its_stat
     whole = train(*galore, "--steps", "4", "--checkpoint-dir", str(straight))
     assert whole.returncode == 0, whole.stderr
     rank = get_config("debug").dim // 4
-    state_bytes = expected_state_bytes('galore', rank, projector_bytes=2)
+    state_bytes = expected_state_bytes("galore", rank, projector_bytes=2)
     assert f"optimizer state bytes per rank: {state_bytes}\n" in whole.stdout
     assert_same_checkpoint(checkpoint_path(straight, 4), checkpoint_path(killed, 4), tmp_path)
     assert expected_state_bytes("galore", rank, projector_bytes=2) < expected_state_bytes("galore", rank) \

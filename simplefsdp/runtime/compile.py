@@ -80,7 +80,7 @@ def _graph_lock(gm: torch.fx.GraphModule, example_inputs):
 
 def _described(value: Any) -> Any:
     if isinstance(value, DTensor):
-        return _reduce_dtensor_with_local_shard(None, value)[1]
+        return _dtensor_by_value(value)
     if isinstance(value, torch.Tensor):
         return tuple(value.shape), value.stride(), value.dtype
     return _mesh_by_value(value)
@@ -129,10 +129,16 @@ def _reduce_mesh_by_value(pickler: FxGraphCachePickler, fake: Any) -> tuple:
     return _reduce_by_pickling(pickler, fake)
 
 
+def _dtensor_by_value(tensor: DTensor) -> str:
+    """A DTensor as a string of what a graph compiled for it depends on: mesh, placements, global shape and dtype,
+    and this rank's local shard's shape and strides."""
+    local = tensor._local_tensor
+    return f"DTensor {tensor._stable_hash_for_caching()} local {tuple(local.shape)} {local.stride()}"
+
+
 def _reduce_dtensor_with_local_shard(pickler: AOTAutogradCachePickler, tensor: torch.Tensor) -> tuple:
     if isinstance(tensor, DTensor):
-        local = tensor._local_tensor
-        return str, (f"DTensor {tensor._stable_hash_for_caching()} local {tuple(local.shape)} {local.stride()}",)
+        return str, (_dtensor_by_value(tensor),)
     return _reduce_by_flattening(pickler, tensor)
 
 
