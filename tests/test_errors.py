@@ -70,6 +70,24 @@ def test_unknown_compile_option(fake_world, no_collectives):
         compile_sharded(nn.Linear(4, 4), fulgraph=True)
 
 
+def test_an_optimizer_made_before_compile_sharded_is_refused_at_its_first_step(fake_world):
+    """compile_sharded replaces each parameter by a sharded DTensor parameter: an optimizer made before it would step
+    tensors that no gradient reaches, and the model would never train, silently (as with FSDP2's fully_shard)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    early = torch.optim.SGD(model.parameters(), lr=0.5)
+    compile_sharded(model, compile=False)
+    with pytest.raises(ValueError, match="SGD holds parameter '0.weight' as it was before compile_sharded, which "
+                                         "replaced it .* create the optimizer after compile_sharded"):
+        early.step()
+    late = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = [p.to_local().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    late.step()
+    # SGD's p + (-0.5) * 1 has an exact product, so it rounds once, as p - 0.5 does: bitwise
+    assert all(torch.equal(p.to_local(), old - 0.5) for p, old in zip(model.parameters(), before))
+
+
 def _error_of_compile_sharded(rank_dependent: str) -> str:
     """This rank's error from ``compile_sharded`` when rank 1 differs from rank 0 in the model (``"model"``: a wider
     layer) or in an argument (``"buckets"``: with Inductor, rank 0 would wait in the profile's broadcast and plan

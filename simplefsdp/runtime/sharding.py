@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -11,6 +12,7 @@ from torch._subclasses.fake_tensor import is_fake  # private: the only test for 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private: as meta_init.py
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from simplefsdp.runtime.grad_sync import new_accumulator
 from simplefsdp.runtime.quantize import new_error_buffer
@@ -67,13 +69,15 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
     parameter becomes one DTensor shared by the same modules. A tensor-parallel DTensor (``parallelize_module``)
     becomes a DTensor on the (dp, tp) mesh (``tensor_parallel.py``).
     """
+    _refuse_optimizers_of_replaced_parameters()
     sharded: dict[int, tuple[int, nn.Parameter, torch.Tensor, torch.Tensor | None]] = {}
-    for submodule in module.modules():
+    for prefix, submodule in module.named_modules():
         keys, accumulators, errors = {}, {}, {}
         for name, param in submodule._parameters.items():
             if param is None:
                 continue
             if id(param) not in sharded:
+                param._replaced_by_compile_sharded = f"{prefix}.{name}".lstrip(".")
                 computed = param.to_local() if isinstance(param, DTensor) else param  # what the forward reads
                 dtensor = (shard_tensor_parallel(param, mesh) if isinstance(param, DTensor)
                            else distribute(param, mesh, placements(param, mode)))
@@ -84,3 +88,22 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
             keys[name], submodule._parameters[name], accumulators[name], errors[name] = sharded[id(param)]
         if accumulators:
             install_getters(submodule, keys, accumulators, errors, replicate)
+
+
+@functools.cache
+def _refuse_optimizers_of_replaced_parameters() -> None:
+    """From now on, an optimizer step raises ``ValueError`` if the optimizer holds a parameter that
+    ``shard_parameters`` replaced: made before ``compile_sharded``, it would step tensors no gradient reaches, and the
+    model would silently never train."""
+
+    def refuse(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if "_replaced_by_compile_sharded" in vars(param):
+                    raise ValueError(
+                        f"{type(optimizer).__name__} holds parameter {param._replaced_by_compile_sharded!r} as it "
+                        "was before compile_sharded, which replaced it by a sharded DTensor parameter, so this step "
+                        "would never update the model: create the optimizer after compile_sharded, from "
+                        "model.parameters() (as with FSDP2's fully_shard)")
+
+    register_optimizer_step_pre_hook(refuse)
