@@ -77,6 +77,26 @@ def test_a_change_of_shape_recompiles_once_then_the_graph_is_dynamic(results):
         assert rank["graphs"] == [1, 1, 2, 2, 2]  # steps 2-4 change the batch, the sequence length, both
 
 
+def _graphs_of_blocks_compiled_once_at_new_lengths() -> list[int]:
+    """Dynamo's count of graphs after each step of the debug Llama (2 blocks, one region), compiled once per block,
+    at 4 sequence lengths."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = simplefsdp.compile_sharded(build_model("debug"), backend="aot_eager", compile_blocks_once=True)
+    before, graphs = counters["stats"]["unique_graphs"], []
+    for seq_len in (32, 20, 39, 16):
+        model(torch.zeros(2, seq_len, dtype=torch.long)).sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    return graphs
+
+
+def test_blocks_compiled_once_recompile_once_for_a_new_length_then_stay_dynamic():
+    """The regions' reuse key describes a symbolic size as -1 without reading its value: hashing the size would
+    specialize it, and every new length would compile again (1, 2, 3, 4 graphs)."""
+    assert run_on_ranks(1, _graphs_of_blocks_compiled_once_at_new_lengths) == [[1, 2, 2, 2]]
+
+
 def test_variable_seq_len_is_deterministic_and_spans_half_to_full():
     lengths = [step_seq_len(step, 64, seed=3) for step in range(1, 41)]
     assert lengths == [step_seq_len(step, 64, seed=3) for step in range(1, 41)]

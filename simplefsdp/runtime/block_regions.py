@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.fx.experimental.symbolic_shapes import has_static_value
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
@@ -168,13 +169,16 @@ def _describe(value) -> object:
         return type(value).__name__, *map(_describe, value)
     if isinstance(value, dict):
         return tuple((key, _describe(item)) for key, item in value.items())
-    if isinstance(value, _SYMBOLIC):
-        return -1
-    if not isinstance(value, torch.Tensor):
-        return value
-    return (tuple(size if isinstance(size, int) else -1 for size in value.shape),
-            tuple(step if isinstance(step, int) else -1 for step in value.stride()),
-            str(value.dtype), str(value.device), value.requires_grad)
+    if isinstance(value, torch.Tensor):
+        return (tuple(map(_static_or_minus_one, value.shape)), tuple(map(_static_or_minus_one, value.stride())),
+                str(value.dtype), str(value.device), value.requires_grad)
+    return _static_or_minus_one(value) if isinstance(value, (*_SYMBOLIC, int, float)) else value
+
+
+def _static_or_minus_one(number):
+    """``number``, or -1 where it is symbolic. ``has_static_value``, not ``isinstance``: Dynamo reports a symbolic
+    size's type as ``int``, and hashing it would specialize the size (every new sequence length compiled again)."""
+    return number if has_static_value(number) else -1
 
 
 def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Module, str]],
