@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 import torch.nn.functional as F
 from collectives import CountCollectives
 from ranks import run_on_ranks
@@ -73,6 +74,22 @@ def test_resume_is_exact_and_loads_at_other_world_sizes(tmp_path):
         for _, (params, _), _ in run_on_ranks(world_size, _resume, tmp_path, SAVE_AT):
             for name, value in saved_params.items():
                 assert torch.equal(params[name], value), (world_size, name)
+
+
+def _pretrained_loaded_after_wrapping() -> bool:
+    """Whether every shard holds the pretrained values after DCP loads a full state dict of plain tensors (seed 1)
+    into a model wrapped from other values (seed 0)."""
+    torch.manual_seed(1)
+    pretrained = build_model("debug").state_dict()
+    model, _ = _setup()
+    set_model_state_dict(model, dict(pretrained), options=StateDictOptions(full_state_dict=True))
+    return all(torch.equal(p.full_tensor(), pretrained[name]) for name, p in model.named_parameters())
+
+
+def test_pretrained_weights_load_after_wrapping_through_dcp():
+    """The README's way to load weights after compile_sharded (model.load_state_dict of plain tensors raises, as
+    FSDP2's does)."""
+    assert run_on_ranks(2, _pretrained_loaded_after_wrapping) == [True, True]
 
 
 def test_loading_a_different_model_names_the_parameter(tmp_path):
