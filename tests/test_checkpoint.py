@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 import torch.nn.functional as F
 from collectives import CountCollectives
 from ranks import run_on_ranks
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from simplefsdp import compile_sharded
 from simplefsdp.models.llama import build_model

@@ -175,7 +175,7 @@ def _describe(value) -> object:
     return _static_or_minus_one(value) if isinstance(value, (*_SYMBOLIC, int, float)) else value
 
 
-def _static_or_minus_one(number):
+def _static_or_minus_one(number: int | float | torch.SymInt | torch.SymFloat | torch.SymBool) -> object:
     """``number``, or -1 where it is symbolic. ``has_static_value``, not ``isinstance``: Dynamo reports a symbolic
     size's type as ``int``, and hashing it would specialize the size (every new sequence length compiled again)."""
     return number if has_static_value(number) else -1
