@@ -119,6 +119,21 @@ def test_arguments_differ_across_ranks():
         "issues)")
 
 
+def _train_on_three_batch_sizes_with_rank_0_allowed_one_graph() -> None:
+    if dist.get_rank() == 0:
+        torch._dynamo.config.recompile_limit = 1
+    model = compile_sharded(nn.Linear(8, 3), backend="aot_eager", dynamic=False)
+    for batch in (4, 2, 3):
+        model(torch.randn(batch, 8)).sum().backward()
+
+
+def test_a_rank_past_dynamos_recompile_limit_stops_instead_of_running_eagerly():
+    """Past the limit Dynamo runs a frame eagerly; that rank's collectives would not match the others' graphs."""
+    with pytest.raises(RuntimeError, match=r"(?s)rank 0: .*Dynamo hit its recompile limit \(torch._dynamo.config."
+                                           r"recompile_limit = 1\) on this rank.*TORCH_LOGS=recompiles"):
+        run_on_ranks(2, _train_on_three_batch_sizes_with_rank_0_allowed_one_graph)
+
+
 def test_unknown_bucket_mode(no_collectives):
     with pytest.raises(ValueError, match="unknown bucket mode 'per-layer'; choose 'auto', 'block', None, or a manual"):
         compile_sharded(nn.Linear(4, 4), buckets="per-layer")

@@ -44,8 +44,31 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
     if backend == "inductor":
         options = dict(options)
         backend = InductorOncePerHost(options.pop("mode", None), options.pop("options", None), options.get("dynamic"))
-    compiled = torch.compile(sharded_call, backend=backend, **options)
+    compiled = _refuse_eager_past_the_recompile_limit(torch.compile(sharded_call, backend=backend, **options))
     module._compiled_call_impl = _warn_on_graph_breaks(compiled, type(module).__name__)
+
+
+def _refuse_eager_past_the_recompile_limit(compiled: Callable) -> Callable:
+    """``compiled``, raising where Dynamo would run a frame eagerly past its recompile limit: that rank's collectives,
+    unbucketed and in eager order, would not match the other ranks' compiled graphs (gloo fails, NCCL hangs)."""
+    dynamo_config = torch._dynamo.config
+
+    def call(*args, **kwargs):
+        users_setting = dynamo_config.fail_on_recompile_limit_hit  # set and reset: 6 us, config.patch's 190 us
+        dynamo_config.fail_on_recompile_limit_hit = True
+        try:
+            return compiled(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+            raise RuntimeError(
+                f"Dynamo hit its recompile limit (torch._dynamo.config.recompile_limit = "
+                f"{dynamo_config.recompile_limit}) on this rank and would run the model eagerly, issuing "
+                "collectives the other ranks' compiled graphs do not. Run with TORCH_LOGS=recompiles to see which "
+                "guard fails; pass dynamic=True where shapes vary, or raise torch._dynamo.config.recompile_limit on "
+                "every rank.") from error
+        finally:
+            dynamo_config.fail_on_recompile_limit_hit = users_setting
+
+    return call
 
 
 class InductorOncePerHost(_TorchCompileInductorWrapper):
