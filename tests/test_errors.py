@@ -88,6 +88,20 @@ def test_an_optimizer_made_before_compile_sharded_is_refused_at_its_first_step(f
     assert all(torch.equal(p.to_local(), old - 0.5) for p, old in zip(model.parameters(), before))
 
 
+def test_a_plain_parameter_beside_sharded_ones_is_refused_at_the_first_step(fake_world):
+    """compile_sharded applied to a block but not to the root (an FSDP2 habit without its last line) leaves the
+    embedding plain: no rank averages its gradient, and the ranks would drift apart, silently."""
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    compile_sharded(model[1], compile=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.tensor([[1, 2]])).sum().backward()
+    with pytest.raises(ValueError, match=r"SGD holds a plain parameter of shape \(10, 8\) beside parameters sharded "
+                                         "by compile_sharded.* apply compile_sharded once, to the outermost module"):
+        optimizer.step()
+    model[0].weight.requires_grad_(False)  # frozen, it needs no averaging
+    optimizer.step()
+
+
 def _error_of_compile_sharded(rank_dependent: str) -> str:
     """This rank's error from ``compile_sharded`` when rank 1 differs from rank 0 in the model (``"model"``: a wider
     layer) or in an argument (``"buckets"``: with Inductor, rank 0 would wait in the profile's broadcast and plan
