@@ -121,15 +121,30 @@ def _guarded_forward() -> tuple[str, float]:
     return "no error", time.perf_counter() - start
 
 
+def _evaluate_on_rank_0_then_train(model: nn.Module) -> str:
+    """Rank 0 alone runs a forward without gradients (its gathers are the training forward's), then both ranks train
+    a step: rank 0's forward meets rank 1's backward. The guard's error on this rank."""
+    try:
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                model(torch.randn(4, 16))
+        model(torch.randn(4, 16)).sum().backward()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def _guard_cases(cache_root: str) -> dict:
-    """1. Both ranks plan alike: train 3 steps. 2. Rank 1 plans one bucket less and compiles; rank 0 loads the first
+    """1. Both ranks plan alike: train 3 steps, then rank 0 alone evaluates. 2. Rank 1 plans one bucket less and compiles; rank 0 loads the first
     case's graphs from its FX graph cache (its passes never run). 3. Both compile, rank 1 one bucket less."""
     rank = dist.get_rank()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"rank{rank}")  # no rank reads another's plan
     batches = [torch.randn(8, 16, generator=torch.Generator().manual_seed(step)) for step in range(3)]
     reference = _train(copy.deepcopy(_blocks()), batches)
-    losses = _train(compile_sharded(_blocks(), buckets="block"), [batch.chunk(2)[rank] for batch in batches])
+    model = compile_sharded(_blocks(), buckets="block")
+    losses = _train(model, [batch.chunk(2)[rank] for batch in batches])
     result = {"reference": reference, "losses": losses, "exchanges": len(rank_agreement.AGREED)}
+    result["evaluated_on_rank_0"] = _evaluate_on_rank_0_then_train(model)
     hits_before = graph_cache_hits()
     if rank == 1:
         OverlapPasses.plan_buckets = _one_bucket_less
@@ -151,6 +166,12 @@ def test_ranks_that_plan_different_collectives_raise_the_same_error(tmp_path):
     for step, reference in enumerate(results[0]["reference"]):
         loss = sum(result["losses"][step] for result in results) / 2  # each rank's loss is the mean of its half
         assert abs(loss - reference) <= FORWARD_BACKWARD_BOUND * abs(reference)
+    # A forward on rank 0 alone: the per-call check of rank 0's next forward meets rank 1's backward's, on both ranks
+    assert {result["evaluated_on_rank_0"] for result in results} == {
+        "the ranks of process group (0, 1) ran different compiled graphs at the same call: every rank must call the "
+        "model the same way, step by step. A forward on some ranks only (evaluation on rank 0 alone), a backward or "
+        "optimizer step skipped on one rank (a batch skipped for its loss), or a model called on one rank only would "
+        "hang or exchange the wrong bytes in the graphs' collectives"}
     assert results[0]["cache_hits"] >= 1  # rank 0's graph came from the cache: its passes did not run
     for case in ("cache_hit", "both_compile"):
         messages = {result[case][0] for result in results}

@@ -24,9 +24,9 @@ from simplefsdp.ir.signature import lines_by_group, signature_digest
 
 T = TypeVar("T")
 
-# (lines, group names) of the compiled graphs whose collectives this process's peers agreed on. A later step's call
-# costs the op's dispatch and a hash of its lines: ~20 us on 2 gloo ranks, ~50 us for 1000 collectives.
-AGREED: set[tuple[str, str]] = set()
+# (lines, group names) of the compiled graphs whose collectives this process's peers agreed on, each with what every
+# call of the graph all-reduces (``check_same_graph_running``).
+AGREED: dict[tuple[str, str], list[tuple[dist.ProcessGroup, torch.Tensor]]] = {}
 
 
 def gather_over_mesh(value: T, groups: Sequence[dist.ProcessGroup]) -> dict[int, T]:
@@ -125,17 +125,51 @@ def check_same_collectives(lines: Sequence[str], groups: Sequence[dist.ProcessGr
         "rank): report this with the model; buckets='block' or buckets=None avoid the automatic planner meanwhile")
 
 
+def _digest_pairs(lines: Sequence[str], groups: Sequence[dist.ProcessGroup]
+                  ) -> list[tuple[dist.ProcessGroup, torch.Tensor]]:
+    """For each of ``groups``, the pair (d, -d) of the digest d of the ``lines`` on it, on the group's device."""
+    by_group = lines_by_group(lines)
+    pairs = []
+    for group in groups:
+        digest = int(signature_digest(by_group.get(tuple(dist.get_process_group_ranks(group)), ()))[:15], 16)
+        device = "cpu" if dist.get_backend(group) == "gloo" else torch.accelerator.current_accelerator()
+        pairs.append((group, torch.tensor([digest, -digest], device=device)))  # 60 bits: -digest fits an int64
+    return pairs
+
+
+def check_same_graph_running(pairs: Sequence[tuple[dist.ProcessGroup, torch.Tensor]]) -> None:
+    """Raise ``ValueError`` unless the ranks of each group run, at this call, graphs with the same collectives on it:
+    one all-reduce (max) of a pair of ``_digest_pairs`` per group. A rank that calls the model where the others do
+    not (evaluation on rank 0 alone, a step skipped on one rank) meets this check of another graph, which differs,
+    instead of that graph's collectives."""
+    reduced = [pair.clone() for _, pair in pairs]
+    for (group, _), pair in zip(pairs, reduced):
+        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group)
+    for (group, _), pair in zip(pairs, reduced):
+        highest, minus_lowest = pair.tolist()
+        if highest != -minus_lowest:
+            raise ValueError(
+                f"the ranks of process group {tuple(dist.get_process_group_ranks(group))} ran different compiled "
+                "graphs at the same call: every rank must call the model the same way, step by step. A forward on "
+                "some ranks only (evaluation on rank 0 alone), a backward or optimizer step skipped on one rank (a "
+                "batch skipped for its loss), or a model called on one rank only would hang or exchange the wrong "
+                "bytes in the graphs' collectives")
+
+
 @torch.library.custom_op("simplefsdp::agree_on_collectives", mutates_args=())
 def agree_on_collectives(lines: str, group_names: str) -> torch.Tensor:
     """Check that the ranks of the mesh whose dimensions' groups are ``group_names`` (comma-separated) planned the
-    collective ``lines`` (newline-separated) alike (``check_same_collectives``); once per (lines, groups) in the
-    process, a no-op later. Returns an empty tensor for the graph's collectives to depend on.
+    collective ``lines`` (newline-separated) alike (``check_same_collectives``), once per (lines, groups) in the
+    process; then, at every call, that they run a graph with these collectives now (``check_same_graph_running``).
+    Returns an empty tensor for the graph's collectives to depend on.
 
     A graph compiled again in this process (a recompile) with lines agreed before does not exchange: if another
     rank's recompile planned differently, that rank alone would wait in the exchange (as without the guard)."""
     if (lines, group_names) not in AGREED:
-        check_same_collectives(lines.split("\n"), [process_group(name) for name in group_names.split(",")])
-        AGREED.add((lines, group_names))
+        groups = [process_group(name) for name in group_names.split(",")]
+        check_same_collectives(lines.split("\n"), groups)
+        AGREED[lines, group_names] = _digest_pairs(lines.split("\n"), groups)
+    check_same_graph_running(AGREED[lines, group_names])
     return torch.empty(0)
 
 
