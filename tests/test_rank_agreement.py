@@ -135,8 +135,9 @@ def _evaluate_on_rank_0_then_train(model: nn.Module) -> str:
 
 
 def _guard_cases(cache_root: str) -> dict:
-    """1. Both ranks plan alike: train 3 steps, then rank 0 alone evaluates. 2. Rank 1 plans one bucket less and compiles; rank 0 loads the first
-    case's graphs from its FX graph cache (its passes never run). 3. Both compile, rank 1 one bucket less."""
+    """1. Both ranks plan alike: train 3 steps, then rank 0 alone evaluates. 2. Rank 1 plans one bucket less and
+    compiles; rank 0 loads the first case's graphs from its FX graph cache (its passes never run). 3. Both compile,
+    rank 1 one bucket less."""
     rank = dist.get_rank()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"rank{rank}")  # no rank reads another's plan
     batches = [torch.randn(8, 16, generator=torch.Generator().manual_seed(step)) for step in range(3)]
