@@ -186,3 +186,20 @@ def test_ranks_that_plan_different_collectives_raise_the_same_error(tmp_path):
                                   "module=1 on rank 0 ")
         assert "buckets='block' or buckets=None" in message
         assert max(result[case][1] for result in results) < GUARD_SECONDS
+
+
+def _evaluate_on_rank_0_of_a_2d_mesh() -> str:
+    """On a (2, 2) hybrid mesh every rank trains a step, then rank 0 alone evaluates and every rank trains again:
+    rank 0's forward meets the others' backward, so only the groups holding rank 0 differ. The guard's error."""
+    model = compile_sharded(_blocks(), mesh=init_device_mesh("cpu", (2, 2)), mode="hybrid_shard", buckets="block")
+    model(torch.randn(4, 16)).sum().backward()
+    return _evaluate_on_rank_0_then_train(model)
+
+
+def test_a_forward_on_one_rank_of_a_2d_mesh_raises_on_every_rank():
+    """Ranks 2 and 3 would otherwise go on into the backward's collectives and wait there for rank 0."""
+    messages = run_on_ranks(4, _evaluate_on_rank_0_of_a_2d_mesh)
+    rest = " ran different compiled graphs at the same call: every rank must call the model the same way"
+    # ranks 0-2 each meet the difference in a group of theirs; rank 3's groups hold ranks 1-3 only, which agree
+    assert all(message.startswith("the ranks of process group (") and rest in message for message in messages[:3])
+    assert messages[3].startswith("the ranks of a process group of the mesh that holds other ranks" + rest)
