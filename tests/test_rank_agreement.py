@@ -197,7 +197,7 @@ def _evaluate_on_rank_0_of_a_2d_mesh() -> str:
 
 
 def test_a_forward_on_one_rank_of_a_2d_mesh_raises_on_every_rank():
-    """Ranks 2 and 3 would otherwise go on into the backward's collectives and wait there for rank 0."""
+    """Rank 3, whose two groups agree, would otherwise go on into the backward's collectives and wait there."""
     messages = run_on_ranks(4, _evaluate_on_rank_0_of_a_2d_mesh)
     rest = " ran different compiled graphs at the same call: every rank must call the model the same way"
     # ranks 0 and 2 meet the difference in their replica group; ranks 1 and 3 learn of it from rank 0 and rank 2
