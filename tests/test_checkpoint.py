@@ -76,20 +76,57 @@ def test_resume_is_exact_and_loads_at_other_world_sizes(tmp_path):
                 assert torch.equal(params[name], value), (world_size, name)
 
 
-def _pretrained_loaded_after_wrapping() -> bool:
-    """Whether every shard holds the pretrained values after DCP loads a full state dict of plain tensors (seed 1)
-    into a model wrapped from other values (seed 0)."""
-    torch.manual_seed(1)
-    pretrained = build_model("debug").state_dict()
-    model, _ = _setup()
-    set_model_state_dict(model, dict(pretrained), options=StateDictOptions(full_state_dict=True))
-    return all(torch.equal(p.full_tensor(), pretrained[name]) for name, p in model.named_parameters())
+def _pretrained_loaded_after_wrapping() -> dict[str, object]:
+    """Into models wrapped from seed 0, a full state dict of plain tensors (seed 1, every rank holding all of it) by
+    ``model.load_state_dict``, in each layout of 4 ranks, and by DCP's ``set_model_state_dict``: per way, whether
+    every parameter holds the pretrained values after, and the collectives the load ran; the size-mismatch error."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from simplefsdp.models.llama_tp import parallelize_llama
+
+    def load(way: str, tied: bool = False, **options) -> tuple[bool, dict]:
+        torch.manual_seed(1)
+        pretrained = build_model("debug", tie_embeddings=tied).state_dict()
+        torch.manual_seed(0)
+        model = build_model("debug", tie_embeddings=tied)
+        if way == "fsdp_x_tp":
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            parallelize_llama(model, mesh["tp"])
+            options["mesh"] = mesh["dp"]
+        compile_sharded(model, compile=False, **options)
+        with CountCollectives() as counter:
+            if way == "dcp":
+                set_model_state_dict(model, dict(pretrained), options=StateDictOptions(full_state_dict=True))
+            else:
+                model.load_state_dict(pretrained)
+        loaded = all(torch.equal(p.full_tensor(), pretrained[name]) for name, p in model.named_parameters())
+        return loaded and (not tied or model.output._parameters["weight"] is model.tok_embeddings._parameters[
+            "weight"]), dict(counter.counts)
+
+    hybrid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    results = {"fully_shard": load("fully_shard"), "tied": load("tied", tied=True),
+               "replicate": load("replicate", mode="replicate"),
+               "hybrid_shard": load("hybrid_shard", mode="hybrid_shard", mesh=hybrid),
+               "fsdp_x_tp": load("fsdp_x_tp"), "dcp": load("dcp")}
+    model = compile_sharded(build_model("debug"), compile=False)
+    try:
+        model.load_state_dict(build_model("debug", dim=96).state_dict())
+    except RuntimeError as error:
+        results["mismatch"] = str(error)
+    return results
 
 
-def test_pretrained_weights_load_after_wrapping_through_dcp():
-    """The README's way to load weights after compile_sharded (model.load_state_dict of plain tensors raises, as
-    FSDP2's does)."""
-    assert run_on_ranks(2, _pretrained_loaded_after_wrapping) == [True, True]
+def test_a_full_state_dict_loads_after_wrapping_into_every_layout_without_collectives():
+    """``model.load_state_dict`` of plain full tensors cuts each rank's shard locally (fully_shard, tied, replicate,
+    hybrid_shard, FSDP x TP's strided shards), as DCP's ``set_model_state_dict`` does; another shape still gets
+    ``load_state_dict``'s own size-mismatch error."""
+    for results in run_on_ranks(4, _pretrained_loaded_after_wrapping):
+        mismatch = results.pop("mismatch")
+        assert "size mismatch for tok_embeddings.weight" in mismatch and "[256, 96]" in mismatch, mismatch
+        for way, (loaded, collectives) in results.items():
+            assert loaded, way
+            if way != "dcp":  # DCP's full-state-dict load runs its own collectives
+                assert collectives == {}, (way, collectives)
 
 
 def test_loading_a_different_model_names_the_parameter(tmp_path):
