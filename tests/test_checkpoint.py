@@ -113,13 +113,19 @@ def _pretrained_loaded_after_wrapping() -> dict[str, object]:
         model.load_state_dict(build_model("debug", dim=96).state_dict())
     except RuntimeError as error:
         results["mismatch"] = str(error)
+    torch.manual_seed(2)
+    block = build_model("debug").layers[1].state_dict()
+    before = [torch.equal(p.full_tensor(), block[name]) for name, p in model.layers[1].named_parameters()]
+    model.layers[1].load_state_dict(block)
+    results["one block"] = not all(before) and all(  # norms start at ones either way
+        torch.equal(p.full_tensor(), block[name]) for name, p in model.layers[1].named_parameters()), {}
     return results
 
 
 def test_a_full_state_dict_loads_after_wrapping_into_every_layout_without_collectives():
     """``model.load_state_dict`` of plain full tensors cuts each rank's shard locally (fully_shard, tied, replicate,
-    hybrid_shard, FSDP x TP's strided shards), as DCP's ``set_model_state_dict`` does; another shape still gets
-    ``load_state_dict``'s own size-mismatch error."""
+    hybrid_shard, FSDP x TP's strided shards, one block's own ``load_state_dict``), as DCP's ``set_model_state_dict``
+    does; another shape still gets ``load_state_dict``'s own size-mismatch error."""
     for results in run_on_ranks(4, _pretrained_loaded_after_wrapping):
         mismatch = results.pop("mismatch")
         assert "size mismatch for tok_embeddings.weight" in mismatch and "[256, 96]" in mismatch, mismatch

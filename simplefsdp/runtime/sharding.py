@@ -89,18 +89,19 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
             keys[name], submodule._parameters[name], accumulators[name], errors[name] = sharded[id(param)]
         if accumulators:
             install_getters(submodule, keys, accumulators, errors, replicate)
-    module.register_load_state_dict_pre_hook(_shard_plain_tensors)
+            submodule.register_load_state_dict_pre_hook(_shard_plain_tensors)
 
 
 def _shard_plain_tensors(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
-    """``load_state_dict`` pre-hook: a plain tensor of a DTensor parameter's shape (each rank holding the full value,
-    as ``torch.load`` of an unsharded checkpoint gives) becomes this rank's shard of it, cut locally, with no
-    collective; a tensor of another shape is left for ``load_state_dict``'s own size-mismatch error."""
-    for name, param in module.named_parameters(prefix.removesuffix("."), remove_duplicate=False):
-        value = state_dict.get(name)
+    """``load_state_dict`` pre-hook: a plain tensor given for one of ``module``'s own DTensor parameters, of its shape
+    (each rank holding the full value, as ``torch.load`` of an unsharded checkpoint gives), becomes this rank's shard
+    of it, cut locally, with no collective; a tensor of another shape is left for ``load_state_dict``'s own
+    size-mismatch error."""
+    for name, param in module._parameters.items():
+        value = state_dict.get(prefix + name)
         if isinstance(param, DTensor) and type(value) is torch.Tensor and value.shape == param.shape:
-            state_dict[name] = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
-                                                 src_data_rank=None)
+            state_dict[prefix + name] = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                                          src_data_rank=None)
 
 
 @functools.cache
