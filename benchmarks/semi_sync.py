@@ -25,15 +25,21 @@ from pathlib import Path
 from fault_tolerance import rank_pids
 
 DEMO, DILOCO = ["--replica-sync", "demo"], ["--replica-sync", "diloco", "--sync-every", "32"]
-MODES = {"step": [], "demo": DEMO, "diloco": DILOCO,  # the defaults; then a few learning rates each
+AVERAGING = ["--replica-sync", "diloco", "--outer-lr", "1", "--outer-momentum", "0"]  # the outer step: the mean
+MODES = {"step": [], "demo": DEMO, "diloco": DILOCO,  # the defaults; then a few settings each
          "demo-lr5e-4": [*DEMO, "--lr", "5e-4"], "demo-lr2e-3": [*DEMO, "--lr", "2e-3"],
          "demo-lr1.5e-3": [*DEMO, "--lr", "1.5e-3"], "demo-top-k64": [*DEMO, "--demo-top-k", "64"],
          "demo-top-k128": [*DEMO, "--demo-top-k", "128"],
-         "diloco-outer-momentum0": [*DILOCO, "--outer-momentum", "0", "--outer-lr", "1"],
+         "diloco-outer-momentum0": [*AVERAGING, "--sync-every", "32"],
          "diloco-outer-momentum0-lr1.5": [*DILOCO, "--outer-momentum", "0", "--outer-lr", "1.5"],
          "diloco-outer-momentum0.3": [*DILOCO, "--outer-momentum", "0.3", "--outer-lr", "1"],
          "diloco-outer-lr0.3": [*DILOCO, "--outer-lr", "0.3"], "diloco-outer-lr1": [*DILOCO, "--outer-lr", "1"],
-         "diloco-lr2e-3": [*DILOCO, "--lr", "2e-3"]}
+         "diloco-lr2e-3": [*DILOCO, "--lr", "2e-3"],
+         "diloco-h8-int4": [*AVERAGING, "--sync-every", "8", "--outer-quantize", "int4"],
+         "diloco-h8-int8": [*AVERAGING, "--sync-every", "8", "--outer-quantize", "int8"],
+         "diloco-h16-int4": [*AVERAGING, "--sync-every", "16", "--outer-quantize", "int4"],
+         "diloco-h8": [*AVERAGING, "--sync-every", "8"], "diloco-h16": [*AVERAGING, "--sync-every", "16"],
+         "diloco-h4": [*AVERAGING, "--sync-every", "4"], "diloco-h8-nesterov": [*DILOCO, "--sync-every", "8"]}
 STEP = re.compile(r"^step +(\d+)/\d+  loss (\S+) .* group 0 replicas", re.M)
 
 
@@ -64,7 +70,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     curves, rows = {}, {}
-    for name in args.only or [*MODES, *(f"{mode}-killed" for mode in ("step", "demo", "demo-top-k64", "diloco"))]:
+    killed = ("step", "demo", "demo-top-k64", "diloco", "diloco-h8-int4")
+    for name in args.only or [*MODES, *(f"{mode}-killed" for mode in killed)]:
         mode = name.removesuffix("-killed")
         log = out / f"{name}.log"
         command = [sys.executable, "-m", "simplefsdp", "train", "--model", "cpu-small", "--nproc", "1",

@@ -128,6 +128,9 @@ def _replica_sync() -> argparse.ArgumentParser:
                              "pseudo-gradients every --sync-every steps of AdamW (diloco)")
     parser.add_argument("--sync-every", type=int, default=32, metavar="H",
                         help="with diloco: inner steps per outer (32)")
+    parser.add_argument("--outer-quantize", default=None, choices=("int8", "int4"),
+                        help="with diloco: send the pseudo-gradient as int8 or int4 codes, an fp32 scale per 256 "
+                             "(default: fp32)")
     parser.add_argument("--demo-chunk", type=int, default=64, help="with demo: the DCT chunk's side (64, DeMo's)")
     parser.add_argument("--demo-top-k", type=int, default=32, help="with demo: components sent per chunk (32, DeMo's)")
     return parser

@@ -29,7 +29,7 @@ from simplefsdp.ir.cost_model import wire_bytes
 from simplefsdp.ir.capture import TraceError, capture_graphs, cyclic_gc_paused
 from simplefsdp.ir.hardware import HardwareProfile, get_profile
 from simplefsdp.ir.render import chrome_trace, stage_table, text_summary
-from simplefsdp.ir.replica_sync import replica_sync_price
+from simplefsdp.ir.replica_sync import replica_sync_price, replica_sync_problem
 from simplefsdp.ir.schedule import Schedule
 from simplefsdp.ir.simulator import Prediction, simulate
 from simplefsdp.models.llama import Llama, build_model, get_config
@@ -119,7 +119,8 @@ class InspectReport:
         table = stage_table(self.stage_records())
         final = text_summary(f"{self.final.name} graphs (what runs)", self.schedules, self.prediction, self.hardware)
         if ft := self.fault_tolerant:
-            table += (f"fault-tolerant: {ft['replica_groups']} replica groups, --replica-sync {ft['replica_sync']}: "
+            sync = ft["replica_sync"] + (f" --outer-quantize {ft['outer_quantize']}" if ft["outer_quantize"] else "")
+            table += (f"fault-tolerant: {ft['replica_groups']} replica groups, --replica-sync {sync}: "
                       f"{ft['exchange_bytes'] / 2**20:.2f} MiB exchanged per rank every {ft['exchange_every']} step(s)"
                       f" (torchft, not overlapped): {ft['exchange_seconds'] * 1e3:.3f} ms; cross-group bytes per step "
                       f"{ft['bytes_per_step']:,.0f}; step {ft['step_seconds'] * 1e3:.3f} ms\n")
@@ -224,6 +225,8 @@ def inspect(
     if compile_blocks_once and dynamic:
         raise ValueError(DYNAMIC_REGIONS)
     device = check_device(profile, device)
+    if problem := replica_sync_problem(**(replica_sync or {})):
+        raise ValueError(problem)
     mp_policy = mp_policy or MixedPrecision()
     # Fake CUDA tensors belong to one FakeTensorMode; meta tensors need none.
     with FakeTensorMode() if device == "cuda" else contextlib.nullcontext():
@@ -376,7 +379,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             quantize=quantize_option(args),
             replica_groups=args.replica_groups, device=device, tp=args.tp, compile_blocks_once=args.compile_blocks_once,
             replica_sync=dict(
-                sync=args.replica_sync, sync_every=args.sync_every, chunk=args.demo_chunk, top_k=args.demo_top_k))
+                sync=args.replica_sync, sync_every=args.sync_every, chunk=args.demo_chunk, top_k=args.demo_top_k,
+                outer_quantize=args.outer_quantize))
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None
     print(report.summary(), end="")

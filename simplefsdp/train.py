@@ -19,6 +19,7 @@ from simplefsdp import plots
 from simplefsdp.api import compile_sharded
 from simplefsdp.data import load_tokens, rank_batch, step_seq_len
 from simplefsdp.ir.hardware import cpu_profile
+from simplefsdp.ir.replica_sync import replica_sync_problem
 from simplefsdp.mfu import peak_flops_per_second, step_flops
 from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.models.llama_tp import check_tensor_parallel, parallelize_llama
@@ -112,6 +113,8 @@ def fault_tolerant_problem(args: argparse.Namespace) -> str | None:
         return "--sync-every, --demo-chunk and --demo-top-k must be at least 1"
     if args.outer_lr <= 0 or not 0 <= args.outer_momentum < 1:
         return f"--outer-lr must be positive and --outer-momentum in [0, 1); got {args.outer_lr}, {args.outer_momentum}"
+    if problem := replica_sync_problem(args.replica_sync, args.outer_quantize):
+        return problem
     if args.replica_sync != "step" and args.optimizer != "adamw":
         return f"--replica-sync {args.replica_sync} brings its own optimizer; drop --optimizer {args.optimizer}"
     if is_launched_rank() and (args.replica_group is None or args.lighthouse is None):
@@ -181,7 +184,7 @@ def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.o
         return DeMo(model.parameters(), lr=args.lr, chunk=args.demo_chunk, top_k=args.demo_top_k)
     if args.fault_tolerant and args.replica_sync == "diloco":
         return DiLoCo(model.parameters(), lr=args.lr, sync_every=args.sync_every, outer_lr=args.outer_lr,
-                      outer_momentum=args.outer_momentum, fused=True)
+                      outer_momentum=args.outer_momentum, outer_quantize=args.outer_quantize, fused=True)
     if args.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     rank = args.galore_rank or get_config(args.model).dim // 4

@@ -56,6 +56,7 @@ def test_a_lighthouse_that_cannot_be_reached_is_named_without_hanging():
      "--sync-every, --demo-chunk and --demo-top-k must be at least 1"),
     (["--replica-sync", "diloco", "--outer-momentum", "1"], "--outer-momentum in \\[0, 1\\); got 0.7, 1.0"),
     (["--replica-sync", "demo", "--optimizer", "galore"], "--replica-sync demo brings its own optimizer; drop "),
+    (["--outer-quantize", "int8"], "--outer-quantize int8 is for --replica-sync diloco's pseudo-gradient"),
 ])
 def test_bad_fault_tolerant_options_are_rejected_before_any_rank_starts(options, message):
     with pytest.raises(SystemExit, match=message):

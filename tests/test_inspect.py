@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import sys
 
 import networkx as nx
@@ -228,9 +229,16 @@ def test_cli_pass_flags_reach_the_passes(tmp_path, capsys):
 
 def test_cli_replica_sync_flags_reach_the_price(capsys):
     assert main(["inspect", "--model", "debug", "--seq-len", "16", "--replica-groups", "2", "--replica-sync",
-                 "diloco", "--sync-every", "8"]) == 0
+                 "diloco", "--sync-every", "8", "--outer-quantize", "int4"]) == 0
     summary = capsys.readouterr().out
-    assert "fault-tolerant: 2 replica groups, --replica-sync diloco: " in summary and "every 8 step(s)" in summary
+    assert "fault-tolerant: 2 replica groups, --replica-sync diloco --outer-quantize int4: " in summary
+    assert "every 8 step(s)" in summary
+
+
+def test_a_quantized_outer_exchange_without_diloco_is_refused_before_tracing():
+    with pytest.raises(ValueError, match="--outer-quantize int8 is for --replica-sync diloco's pseudo-gradient"):
+        simplefsdp.inspect(build_model("debug"), (torch.zeros(1, 8, dtype=torch.long),), world_size=8,
+                           replica_groups=2, replica_sync=dict(sync="demo", outer_quantize="int8"))
 
 
 def test_unknown_hardware_is_one_line_naming_the_choices():
@@ -381,8 +389,10 @@ def test_replica_groups_price_the_fault_tolerant_all_reduce_of_the_gradient_shar
 
 
 def test_replica_sync_prices_demo_s_top_components_and_diloco_s_outer_all_reduce():
-    step, demo, diloco = (inspect_debug("fully_shard", replica_groups=2, replica_sync=sync).fault_tolerant for sync in (
-        None, dict(sync="demo", chunk=64, top_k=32), dict(sync="diloco", sync_every=32)))
+    step, demo, diloco, diloco_int8 = (inspect_debug("fully_shard", replica_groups=2, replica_sync=sync).fault_tolerant
+                                       for sync in (None, dict(sync="demo", chunk=64, top_k=32),
+                                                    dict(sync="diloco", sync_every=32),
+                                                    dict(sync="diloco", sync_every=8, outer_quantize="int8")))
     # Rank 0 of 8 holds ceil(rows / 8) <= 64 rows of each 2-D weight, all of its 64 or 192 columns: chunks of those
     # rows x 64 columns (the largest divisors <= 64), each sending its top 32 as fp32 values and int16 positions;
     # and 8 of each 1-D norm's 64: one chunk of 8, all sent.
@@ -394,3 +404,8 @@ def test_replica_sync_prices_demo_s_top_components_and_diloco_s_outer_all_reduce
     assert diloco["bytes_per_step"] == step["bytes_per_step"] / 32
     assert diloco["step_seconds"] == pytest.approx(step["step_seconds"] - step["exchange_seconds"]
                                                    + diloco["exchange_seconds"] / 32, rel=1e-12)
+    # int8: the shard's fp32 values in one row of 256-value blocks, each a byte per value and an fp32 scale,
+    # all-gathered (each group sends its own row once) every 8 steps
+    values = step["exchange_bytes"] // 4
+    assert diloco_int8["exchange_bytes"] == math.ceil(values / 256) * (256 + 4) and diloco_int8["exchange_every"] == 8
+    assert diloco_int8["bytes_per_step"] == diloco_int8["exchange_bytes"] / 8

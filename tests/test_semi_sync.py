@@ -17,9 +17,11 @@ from test_train_cli import _load_full, assert_same_checkpoint, train
 from simplefsdp.models.llama import build_model
 from simplefsdp.optim import DeMo, DiLoCo
 from simplefsdp.optim.demo import largest_divisor
+from simplefsdp.optim.diloco import packed_bytes, quantized_mean
 from simplefsdp.runtime.checkpoint import checkpoint_path
 
 SYNC = {"demo": ["--replica-sync", "demo"], "diloco": ["--replica-sync", "diloco", "--sync-every", "4"]}
+DILOCO_INT4 = [*SYNC["diloco"], "--outer-quantize", "int4"]
 torchft_wheels = pytest.mark.skipif(platform.machine() != "x86_64", reason="torchft 0.2.0 publishes x86-64 wheels only")
 
 EPS = 2.0**-24  # fp32's unit roundoff
@@ -123,6 +125,37 @@ def test_diloco_is_adamw_inside_and_torch_nesterov_sgd_on_the_mean_pseudo_gradie
         assert torch.equal(weight, reference), step
 
 
+@pytest.mark.parametrize("fmt, qmax, bits", [("int8", 127, 8), ("int4", 7, 4)])
+def test_a_quantized_pseudo_gradient_decodes_to_the_same_bits_in_every_group_as_hand_rounding_gives(fmt, qmax, bits):
+    # 300 values: one whole block of 256 and one of 44 padded with zeros. Each block travels as its scale
+    # absmax / qmax and its codes round(x / scale); each group decodes both groups' blocks, codes x scale, and takes
+    # their mean. The reference rounds by hand, with the same fp32 operations, so it is bitwise.
+    torch.manual_seed(0)
+    flats = [torch.randn(300), torch.randn(300) * 3]
+
+    def decoded(flat: torch.Tensor) -> torch.Tensor:
+        blocks = torch.nn.functional.pad(flat, (0, 512 - 300)).view(2, 256)
+        scales = blocks.abs().amax(1, keepdim=True) / qmax
+        return ((blocks / scales).round() * scales).reshape(-1)[:300]
+
+    def exchange(index: int, peer_payload: torch.Tensor | None):
+        collectives = TwoGroups(index, peer_payload)
+        return quantized_mean(flats[index].clone(), collectives, fmt), collectives.sent
+
+    payloads = [exchange(index, None)[1] for index in (0, 1)]
+    (mean_0, _), (mean_1, _) = (exchange(index, payloads[1 - index]) for index in (0, 1))
+    assert torch.equal(mean_0, mean_1)
+    assert torch.equal(mean_0, (decoded(flats[0]) + decoded(flats[1])) / 2)
+    # what travels: 2 fp32 scales and 512 codes of `bits` bits, as packed_bytes (and inspect's price) count it
+    assert payloads[0].numel() == 2 * 4 + 512 * bits // 8 == packed_bytes(300, fmt)
+    # Rounding to the nearest code loses at most half a scale s per value, plus the roundings of x / s (EPS relative,
+    # |x / s| <= qmax) and of code x s (EPS relative, |code| <= qmax + 1/2): s (1/2 + 2 (qmax + 1) EPS). The largest
+    # block's scale bounds every block's.
+    for flat in flats:
+        scale = flat.abs().max() / qmax
+        assert (decoded(flat) - flat).abs().max() <= scale * (0.5 + 2 * (qmax + 1) * EPS)
+
+
 def demo_bytes(shapes: list[tuple[int, ...]], chunk: int = 64, top_k: int = 32) -> int:
     """What DeMo sends per step from tensors of ``shapes``: per chunk of each (as 2-D, sides the largest divisors
     <= ``chunk``), ``top_k`` fp32 values and int16 positions."""
@@ -136,10 +169,13 @@ def demo_bytes(shapes: list[tuple[int, ...]], chunk: int = 64, top_k: int = 32) 
 
 def sent_per_step(mode: str, shapes: list[tuple[int, ...]], steps: int) -> dict[int, int]:
     """The bytes a rank holding tensors of ``shapes`` sends to the other group at each step: DeMo's every step,
-    DiLoCo's (H = 4) pseudo-gradient at each outer step (a ring all-reduce of n bytes over 2 groups sends n)."""
+    DiLoCo's (H = 4) pseudo-gradient at each outer step (a ring all-reduce of n bytes over 2 groups sends n; int4:
+    all shards' values in one row of 256-value blocks, each an fp32 scale and 128 bytes of codes, all-gathered)."""
     if mode == "demo":
         return {step: demo_bytes(shapes) for step in range(1, steps + 1)}
-    return {step: 4 * sum(math.prod(shape) for shape in shapes) * (step % 4 == 0) for step in range(1, steps + 1)}
+    values = sum(math.prod(shape) for shape in shapes)
+    outer = 4 * values if mode == "diloco" else math.ceil(values / 256) * (4 + 128)
+    return {step: outer * (step % 4 == 0) for step in range(1, steps + 1)}
 
 
 def cross_group_bytes(stdout: str) -> dict[tuple[int, int], int]:
@@ -185,13 +221,15 @@ def test_semi_synchronous_groups_agree_where_the_mode_says_count_their_bytes_and
 
 
 @torchft_wheels
-@pytest.mark.parametrize("mode", SYNC)
+@pytest.mark.parametrize("mode", ["demo", "diloco-int4"])
 def test_groups_of_two_ranks_exchange_shard_by_shard_and_agree_where_the_mode_says(mode, tmp_path):
     """2 groups x 2 ranks: FSDP inside a group, and each rank exchanges its own shard with the same rank of the other
     group. Rank 0 sends what its shard (half of every parameter's rows) makes; the groups' whole models are bitwise
-    equal after the last step (demo: every step; diloco, H = 4: step 8 is an outer step)."""
+    equal after the last step (demo: every step; diloco, H = 4, its pseudo-gradient in int4 blocks: step 8 is an
+    outer step; diloco's fp32 exchange is the 2 x 1 tests')."""
     from test_fault_tolerance import GROUPS, steps  # skips its module where torchft has no wheels
-    job = train(*GROUPS, "--nproc", "2", *SYNC[mode], "--steps", "8", "--checkpoint-dir", str(tmp_path))
+    sync = DILOCO_INT4 if mode == "diloco-int4" else SYNC[mode]
+    job = train(*GROUPS, "--nproc", "2", *sync, "--steps", "8", "--checkpoint-dir", str(tmp_path))
     assert job.returncode == 0, job.stderr[-3000:]
     assert all(k == 2 and ok for group in (0, 1) for _, _, k, ok in steps(job.stdout, group)), \
         job.stdout + job.stderr[-3000:]  # a restarted group's cause is in stderr

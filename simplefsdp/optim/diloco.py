@@ -5,7 +5,10 @@ Every parameter keeps an anchor (its value at the last outer step) and an outer 
 optimizer's state beside AdamW's: DCP checkpoints and torchft's healing carry them with no extra code. The
 pseudo-gradient ``anchor - parameter`` of every local shard goes in one flat all-reduce; the outer step is
 ``m = mu * m + g; anchor -= outer_lr * (g + mu * m)`` (torch's Nesterov SGD), and the parameters become the anchor,
-bitwise equal in every group. A sync step that does not commit puts the parameters back to the anchor.
+bitwise equal in every group. A sync step that does not commit puts the parameters back to the anchor. With
+``outer_quantize`` the pseudo-gradient travels in ``Quantize``'s wire format instead (int8 or int4 codes, an fp32
+scale per block of 256; no error feedback, as Streaming DiLoCo), all-gathered: every group decodes every group's
+bytes in the same order, so the mean is bitwise equal in every group.
 """
 
 from __future__ import annotations
@@ -14,19 +17,26 @@ import torch
 
 from simplefsdp.optim.exchange import ONE_GROUP, Collectives
 from simplefsdp.optim.galore import local
+from simplefsdp.runtime.quantize import QMAX, quantize_pack, unpack_dequantize
+
+BLOCK_SIZE = 256  # values per fp32 scale of a quantized pseudo-gradient: Quantize's default
 
 
 class DiLoCo(torch.optim.AdamW):
     """AdamW inside a replica group; every ``sync_every`` steps, Nesterov SGD (``outer_lr``, ``outer_momentum``:
-    DiLoCo's 0.7 and 0.9) on the pseudo-gradient averaged across groups. Other keywords go to ``AdamW``."""
+    DiLoCo's 0.7 and 0.9) on the pseudo-gradient averaged across groups, sent in fp32 or, with ``outer_quantize``
+    (``"int8"`` or ``"int4"``), as low-bit blocks. Other keywords go to ``AdamW``."""
 
     def __init__(self, params, lr: float = 1e-3, sync_every: int = 32, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, **adamw) -> None:
+                 outer_momentum: float = 0.9, outer_quantize: str | None = None, **adamw) -> None:
         if sync_every < 1 or outer_lr <= 0 or not 0 <= outer_momentum < 1:
             raise ValueError(f"DiLoCo needs sync_every >= 1, outer_lr > 0 and 0 <= outer_momentum < 1; got "
                              f"{sync_every}, {outer_lr}, {outer_momentum}")
+        if outer_quantize not in (None, *QMAX):
+            raise ValueError(f"DiLoCo(outer_quantize={outer_quantize!r}): choose 'int8', 'int4' or None (fp32)")
         super().__init__(params, lr=lr, **adamw)
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, outer_lr, outer_momentum
+        self.outer_quantize = outer_quantize
         self.averaged: torch.Tensor | None = None
         self.exchanged = False
 
@@ -45,8 +55,10 @@ class DiLoCo(torch.optim.AdamW):
         step = int(self.state[self._params()[0]]["step"]) if step is None else step
         self.averaged, self.exchanged = None, True
         if step % self.sync_every == 0:
-            self.averaged = collectives.all_reduce_mean(torch.cat(
-                [(local(self.state[p]["outer_anchor"]) - local(p)).reshape(-1) for p in self._params()]))
+            pseudo_gradient = torch.cat(
+                [(local(self.state[p]["outer_anchor"]) - local(p)).reshape(-1) for p in self._params()])
+            self.averaged = collectives.all_reduce_mean(pseudo_gradient) if self.outer_quantize is None else \
+                quantized_mean(pseudo_gradient, collectives, self.outer_quantize)
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -73,3 +85,17 @@ class DiLoCo(torch.optim.AdamW):
             for p in self._params():
                 local(p).copy_(local(self.state[p]["outer_anchor"]))
         self.averaged, self.exchanged = None, False
+
+
+def packed_bytes(numel: int, fmt: str) -> int:
+    """The bytes ``quantized_mean`` sends for ``numel`` values: an fp32 scale and the codes of each block."""
+    blocks = -(-numel // BLOCK_SIZE)
+    return blocks * (4 + BLOCK_SIZE * (8 if fmt == "int8" else 4) // 8)
+
+
+def quantized_mean(flat: torch.Tensor, collectives: Collectives, fmt: str) -> torch.Tensor:
+    """The mean over groups of ``flat`` (1-D fp32) as each group's packed ``fmt`` blocks decode: every group decodes
+    the same bytes in the same order, so every group gets the same bits."""
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK_SIZE)).reshape(1, -1)
+    rows = collectives.all_gather(quantize_pack(padded, fmt, BLOCK_SIZE))
+    return unpack_dequantize(torch.cat(rows), fmt, BLOCK_SIZE).mean(0)[:flat.numel()]
