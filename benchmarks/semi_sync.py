@@ -6,8 +6,9 @@ SIGKILLed from outside at ``--kill-at`` (it restarts and heals).
 
 (``--data``: see ``convergence.py``; ``--only``: names from ``MODES``, each with or without ``-killed``.) Prints,
 per run: the mean of group 0's last 50 losses, its ratio to ``step``'s and the paired per-step difference (same
-batches), the ``cross-group bytes per step`` line (group 0's rank) and its ratio to ``step``'s, the wall time and
-the median step; writes ``loss.png`` (group 0's loss, 10-step means). ``--reuse`` reads the logs in ``--out``.
+batches), the mean of the bytes group 0's step lines show sent across groups and its ratio to ``step``'s, the wall
+time and the median step; writes ``loss.png`` (group 0's loss, 10-step means). ``--reuse`` reads the logs in
+``--out``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ MODES = {"step": [], "demo": DEMO, "diloco": DILOCO,  # the defaults; then a few
          "diloco-h16-int4": [*AVERAGING, "--sync-every", "16", "--outer-quantize", "int4"],
          "diloco-h8": [*AVERAGING, "--sync-every", "8"], "diloco-h16": [*AVERAGING, "--sync-every", "16"],
          "diloco-h4": [*AVERAGING, "--sync-every", "4"], "diloco-h8-nesterov": [*DILOCO, "--sync-every", "8"]}
-STEP = re.compile(r"^step +(\d+)/\d+  loss (\S+) .* group 0 replicas", re.M)
+STEP = re.compile(r"^step +(\d+)/\d+  loss (\S+) .*  ([\d.]+) s  cross-group ([\d,]+) B .*group 0 replicas", re.M)
 
 
 def run(command: list[str], kill_at: int | None) -> str:
@@ -80,12 +81,13 @@ def main() -> None:
         if not (args.reuse and log.exists()):
             log.write_text(run(command, args.kill_at if name.endswith("-killed") else None))
         text = log.read_text()
-        curve = {int(step): float(loss) for step, loss in STEP.findall(text)}  # a retried step: its last loss
-        curves[name] = [curve[step] for step in sorted(curve)]
-        rows[name] = (statistics.mean(curves[name][-50:]), int(re.findall(r"^cross-group bytes per step: (\d+)$",
-                                                                          text, re.M)[-1]),
+        # group 0's steps (a retried step: its last line); the summaries' bytes lines do not say whose they are
+        steps = {int(step): (float(loss), float(seconds), int(sent.replace(",", "")))
+                 for step, loss, seconds, sent in STEP.findall(text)}
+        curves[name] = [steps[step][0] for step in sorted(steps)]
+        rows[name] = (statistics.mean(curves[name][-50:]), round(statistics.mean(sent for *_, sent in steps.values())),
                       float(re.search(r"^wall time (\S+) s$", text, re.M)[1]),
-                      re.findall(r"median step (\S+ s)", text)[-1])
+                      f"{statistics.median(seconds for step, (_, seconds, _) in steps.items() if step > 1):.3f} s")
     reference = rows.get("step")
     print("| run | last-50 loss | vs step | paired difference (± 1 s.e.) | cross-group bytes per step | vs step | "
           "wall time | median step |\n|---|---|---|---|---|---|---|---|")
