@@ -1,7 +1,7 @@
 """``--replica-sync demo`` and ``diloco``: their arithmetic in one process, against references built without their
-code (a momentum made of DCT basis functions written out with ``math.cos``; torch's own Nesterov SGD); then across
-two real replica groups of one gloo rank (``test_fault_tolerance``'s setup): what agrees, the bytes, healing and
-resuming."""
+code (a momentum made of DCT basis functions written out with ``math.cos``; torch's own Nesterov SGD; rounding by
+hand), and ``inspect``'s price of each; then across two real replica groups of one gloo rank
+(``test_fault_tolerance``'s setup): what agrees, the bytes, healing and resuming."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 
+from test_inspect import inspect_debug
 from test_train_cli import _load_full, assert_same_checkpoint, train
 from simplefsdp.models.llama import build_model
 from simplefsdp.optim import DeMo, DiLoCo
@@ -154,6 +155,29 @@ def test_a_quantized_pseudo_gradient_decodes_to_the_same_bits_in_every_group_as_
     for flat in flats:
         scale = flat.abs().max() / qmax
         assert (decoded(flat) - flat).abs().max() <= scale * (0.5 + 2 * (qmax + 1) * EPS)
+
+
+def test_replica_sync_prices_demo_s_top_components_and_diloco_s_outer_all_reduce():
+    step, demo, diloco, diloco_int8 = (inspect_debug("fully_shard", replica_groups=2, replica_sync=sync).fault_tolerant
+                                       for sync in (None, dict(sync="demo", chunk=64, top_k=32),
+                                                    dict(sync="diloco", sync_every=32),
+                                                    dict(sync="diloco", sync_every=8, outer_quantize="int8")))
+    # Rank 0 of 8 holds ceil(rows / 8) <= 64 rows of each 2-D weight, all of its 64 or 192 columns: chunks of those
+    # rows x 64 columns (the largest divisors <= 64), each sending its top 32 as fp32 values and int16 positions;
+    # and 8 of each 1-D norm's 64: one chunk of 8, all sent.
+    model = build_model("debug")
+    expected = sum(p[0].numel() // 64 * 32 * 6 if p.dim() > 1 else 8 * 6 for p in model.parameters())
+    assert demo["exchange_bytes"] == expected and demo["bytes_per_step"] == expected
+    assert demo["bytes_per_step"] <= step["bytes_per_step"] / 16
+    assert diloco["exchange_bytes"] == step["exchange_bytes"] and diloco["exchange_every"] == 32
+    assert diloco["bytes_per_step"] == step["bytes_per_step"] / 32
+    assert diloco["step_seconds"] == pytest.approx(step["step_seconds"] - step["exchange_seconds"]
+                                                   + diloco["exchange_seconds"] / 32, rel=1e-12)
+    # int8: the shard's fp32 values in one row of 256-value blocks, each a byte per value and an fp32 scale,
+    # all-gathered (each group sends its own row once) every 8 steps
+    values = step["exchange_bytes"] // 4
+    assert diloco_int8["exchange_bytes"] == math.ceil(values / 256) * (256 + 4) and diloco_int8["exchange_every"] == 8
+    assert diloco_int8["bytes_per_step"] == diloco_int8["exchange_bytes"] / 8
 
 
 def demo_bytes(shapes: list[tuple[int, ...]], chunk: int = 64, top_k: int = 32) -> int:
