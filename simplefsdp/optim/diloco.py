@@ -17,9 +17,9 @@ import torch
 
 from simplefsdp.optim.exchange import ONE_GROUP, Collectives
 from simplefsdp.optim.galore import local
-from simplefsdp.runtime.quantize import QMAX, quantize_pack, unpack_dequantize
+from simplefsdp.runtime.quantize import QMAX, Quantize, packed_block_bytes, quantize_pack, unpack_dequantize
 
-BLOCK_SIZE = 256  # values per fp32 scale of a quantized pseudo-gradient: Quantize's default
+BLOCK_SIZE = Quantize.block_size  # values per fp32 scale of a quantized pseudo-gradient: Quantize's default
 
 
 class DiLoCo(torch.optim.AdamW):
@@ -89,8 +89,7 @@ class DiLoCo(torch.optim.AdamW):
 
 def packed_bytes(numel: int, fmt: str) -> int:
     """The bytes ``quantized_mean`` sends for ``numel`` values: an fp32 scale and the codes of each block."""
-    blocks = -(-numel // BLOCK_SIZE)
-    return blocks * (4 + BLOCK_SIZE * (8 if fmt == "int8" else 4) // 8)
+    return -(-numel // BLOCK_SIZE) * packed_block_bytes(fmt, BLOCK_SIZE)
 
 
 def quantized_mean(flat: torch.Tensor, collectives: Collectives, fmt: str) -> torch.Tensor:

@@ -92,10 +92,15 @@ def quantize_pack(rows: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor
     return torch.cat([(scale_bits & 255).to(torch.uint8).flatten(1), codes.view(torch.uint8)], dim=1)
 
 
+def packed_block_bytes(fmt: str, block_size: int) -> int:
+    """The bytes one block of ``block_size`` values takes packed: its fp32 scale and its codes."""
+    return 4 + (block_size if fmt == "int8" else block_size // 2)
+
+
 def unpack_dequantize(packed: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
     """Inverse of ``quantize_pack`` up to rounding: packed ``uint8`` rows → fp32 rows ``(R, N)``."""
     rows = packed.shape[0]
-    numel = (packed.shape[1] * block_size) // (4 + (block_size if fmt == "int8" else block_size // 2))
+    numel = packed.shape[1] // packed_block_bytes(fmt, block_size) * block_size
     scale_bytes = packed[:, :4 * (numel // block_size)].reshape(rows, -1, 4).to(torch.int32)
     scale_bytes = scale_bytes << _byte_shifts(packed.device)
     scales = scale_bytes.sum(-1, dtype=torch.int32).view(torch.float32)
