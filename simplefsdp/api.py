@@ -40,6 +40,18 @@ def agreed_arguments(arguments: dict[str, Any], backend: str | Callable) -> dict
     return {**agreed, "backend": backend if isinstance(backend, str) else getattr(backend, "__qualname__", "?")}
 
 
+def check_precompile(precompile: bool, compile: bool, backend: str | Callable, options: dict[str, Any]) -> None:
+    """Raise ``ValueError`` where ``precompile=True`` cannot save the compiled graphs."""
+    if not precompile:
+        return
+    if not compile or backend != "inductor":
+        raise ValueError("precompile=True saves Inductor's compiled graphs: pass compile=True and backend='inductor', "
+                         "or drop precompile")
+    if options.get("dynamic") or options.get("fullgraph") is False:
+        raise ValueError("precompile=True compiles one whole graph per input shape: leave dynamic and fullgraph unset, "
+                         "or drop precompile")
+
+
 DYNAMIC_REGIONS = ("compile_blocks_once with dynamic=True fails in torch 2.13's Dynamo (symbolic parameter shapes in a "
                    "region); leave dynamic unset: shapes that change are compiled dynamic after the first change")
 
@@ -67,6 +79,7 @@ def compile_sharded(
     blocks: list[str] | None = None,
     quantize: Quantize | None = None,
     compile_blocks_once: bool | None = None,
+    precompile: bool = False,
     **compile_options: Any,
 ) -> ModuleT | Callable[[ModuleT], ModuleT]:
     """Shard ``model``'s parameters over the data-parallel mesh and compile its forward, in place.
@@ -92,6 +105,9 @@ def compile_sharded(
 
     FSDP x TP: apply ``parallelize_module(model, mesh_2d["tp"], plan)`` first, then pass ``mesh=mesh_2d["dp"]``;
     TP's DTensor parameters are sharded over dp as well, and the passes touch only the data-parallel collectives.
+
+    ``precompile=True`` saves each compiled graph under ``SIMPLEFSDP_CACHE`` and loads it in later runs without
+    tracing (``runtime/precompile.py``): a warm restart in seconds. One graph per input shape, no graph breaks.
     """
     arguments = {name: value for name, value in locals().items() if name not in ("model", "compile_options")}
     if mode not in MODES:
@@ -104,6 +120,9 @@ def compile_sharded(
         raise ValueError("mode='replicate' gathers no weights: pass Quantize(gather=None, reduce=...) to quantize its "
                          "gradient exchange, or mode='fully_shard' to gather weights in int8")
     check_compile_options(compile_options)
+    check_precompile(precompile, compile, backend, compile_options)
+    # what a precompiled graph depends on, before the passes join the options
+    requested = repr((agreed_arguments(arguments, backend), compile_options)) if precompile else ""
     check_pass_options(model if isinstance(model, nn.Module) else None, buckets, reorder, prefetch, memory_budget,
                        blocks)
     if model is None:
@@ -171,5 +190,6 @@ def compile_sharded(
                               strict=strict_regions)
     if compile:
         from simplefsdp.runtime.compile import compile_in_place
-        compile_in_place(model, backend, compile_options)
+        from simplefsdp.runtime.precompile import run_key
+        compile_in_place(model, backend, compile_options, run_key(model, requested) if requested else None)
     return model

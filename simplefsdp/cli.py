@@ -155,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="continue from the latest checkpoint in --checkpoint-dir")
     command.add_argument("--data", default=None, help="a text file (byte tokens); synthetic tokens when absent")
     command.add_argument("--no-compile", dest="compile", action="store_false", help="run the sharded model eagerly")
+    command.add_argument("--precompile", action="store_true", help="save the compiled graphs under SIMPLEFSDP_CACHE "
+                         "and load them in the next run instead of tracing (compile_sharded(precompile=True))")
     command.add_argument("--plot", default=None, metavar="PATH", help="write the loss per step as a PNG (matplotlib)")
     command.add_argument("--fault-tolerant", action="store_true",
                          help="replica groups on torchft: a failed group drops out, restarts and heals (the ft extra)")

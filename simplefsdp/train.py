@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import plots
-from simplefsdp.api import compile_sharded
+from simplefsdp.api import check_precompile, compile_sharded
 from simplefsdp.data import load_tokens, rank_batch, step_seq_len
 from simplefsdp.ir.hardware import cpu_profile
 from simplefsdp.ir.replica_sync import replica_sync_problem
@@ -65,6 +65,19 @@ def check_arguments(args: argparse.Namespace) -> None:
         fail(reason)
     if args.optimizer == "galore" and (reason := galore_problem(args)):
         fail(reason)
+    if args.precompile and (reason := precompile_problem(args)):
+        fail(reason)
+
+
+def precompile_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--precompile`` cannot run with ``args``, if it cannot."""
+    if args.variable_seq_len:
+        return "--precompile compiles a graph per sequence length: drop --variable-seq-len or --precompile"
+    try:
+        check_precompile(True, args.compile, args.backend, {})
+    except ValueError as error:
+        return f"--precompile: {error}"
+    return None
 
 
 def checkpoint_root(args: argparse.Namespace) -> str | None:
@@ -168,7 +181,7 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
         model, mesh=mesh, mode=args.mode, mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
         reshard_after_forward=args.reshard_after_forward, compile=args.compile, backend=args.backend,
         buckets=args.buckets, reorder=args.reorder, prefetch=args.prefetch, memory_budget=args.memory_budget,
-        quantize=quantize_option(args), compile_blocks_once=args.compile_blocks_once,
+        quantize=quantize_option(args), compile_blocks_once=args.compile_blocks_once, precompile=args.precompile,
     )
     if args.init_on_meta:
         torch.manual_seed(args.seed)

@@ -12,8 +12,8 @@ LONGEST_FIRST = ("test_parity.py", "test_zoo.py", "test_semi_sync.py", "test_ran
                  "test_activation_checkpointing.py", "test_shared_weights.py", "test_grad_accumulation.py",
                  "test_dynamic_shapes.py", "test_fault_tolerance.py", "test_train_cli.py", "test_readme.py",
                  "test_tensor_parallel.py", "test_quantize.py", "test_bench.py", "test_first_run.py",
-                 "test_compile_cache.py", "test_block_regions.py", "test_galore.py", "test_rank_agreement.py",
-                 "test_checkpoint.py", "test_cli.py", "test_inspect.py")
+                 "test_compile_cache.py", "test_precompile.py", "test_block_regions.py", "test_galore.py",
+                 "test_rank_agreement.py", "test_checkpoint.py", "test_cli.py", "test_inspect.py")
 
 
 def pytest_collection_modifyitems(items):

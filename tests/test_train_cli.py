@@ -49,6 +49,8 @@ def train(*options: str, kill: str | None = None, step_sleep: float = 0, timeout
         (["--nproc", "4", "--tp", "4"], r"--tp 4: .* needs n_kv_heads \(2\) divisible by 4"),
         (["--nproc", "4", "--tp", "2", "--mode", "hybrid_shard"], "composes with mode='fully_shard' only"),
         (["--replica-sync", "demo"], "--replica-sync demo is what crosses replica groups: add --fault-tolerant"),
+        (["--precompile", "--no-compile"], "--precompile: precompile=True saves Inductor's compiled graphs"),
+        (["--precompile", "--variable-seq-len"], "--precompile compiles a graph per sequence length"),
     ],
 )
 def test_bad_input_is_rejected_before_any_rank_starts(options, message):

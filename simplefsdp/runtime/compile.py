@@ -25,10 +25,13 @@ from torch.distributed.tensor import DTensor
 
 from simplefsdp.ir.capture import compiling_regions
 from simplefsdp.runtime.cpu_isa import check_vector_isas_once_per_machine
+from simplefsdp.runtime.mesh import mesh_by_value
 
 
-def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any]) -> None:
+def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any],
+                     precompile_run: str | None = None) -> None:
     """``module.compile(...)``, keeping the module object and ``state_dict`` keys; the first call names graph breaks.
+    With ``precompile_run`` (``runtime/precompile.py: run_key``), graphs are saved and loaded across processes.
 
     The compiled call (``nn.Module._compiled_call_impl``, private) is a frame of ours, since Dynamo skips frames of
     ``torch.nn`` code: ``module.compile()`` would compile nothing of a root ``nn.Sequential`` or ``nn.Linear``."""
@@ -44,6 +47,10 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
     if backend == "inductor":
         options = dict(options)
         backend = InductorOncePerHost(options.pop("mode", None), options.pop("options", None), options.get("dynamic"))
+    if precompile_run is not None:
+        from simplefsdp.runtime.precompile import PrecompiledCall
+        module._compiled_call_impl = PrecompiledCall(module, backend, precompile_run)
+        return
     compiled = _refuse_eager_past_the_recompile_limit(torch.compile(sharded_call, backend=backend, **options))
     module._compiled_call_impl = _warn_on_graph_breaks(compiled, type(module).__name__)
 
@@ -90,9 +97,9 @@ class InductorOncePerHost(_TorchCompileInductorWrapper):
 def _graph_lock(gm: torch.fx.GraphModule, example_inputs):
     """Hold this host's lock of Dynamo's graph ``gm`` (its code, its inputs' shapes, strides and dtypes, a DTensor's
     local shard's too) while it compiles: a process that waited finds the graph in AOTAutograd's cache and skips
-    AOTAutograd's tracing, the passes and Inductor. No lock where the FX graph cache is off: nothing would be
-    loaded."""
-    if not inductor_config.fx_graph_cache:
+    AOTAutograd's tracing, the passes and Inductor. No lock where the FX graph cache is off, or AOTAutograd's is
+    bypassed (``aot_compile``, under ``runtime/precompile.py``): nothing would be loaded."""
+    if not inductor_config.fx_graph_cache or torch._functorch.config.bypass_autograd_cache_key:
         yield
         return
     inputs = [_described(value) for value in example_inputs]
@@ -141,8 +148,7 @@ def _mesh_by_value(value: Any) -> Any:
     """A graph input that is a (fake script object of a) ``DeviceMesh`` as a string of what it is; others as they
     are."""
     if isinstance(mesh := getattr(value, "real_obj", None), DeviceMesh):
-        groups = [mesh.get_group(dim).group_name for dim in range(mesh.ndim)]
-        return f"DeviceMesh {mesh._stable_hash()} groups {groups}"
+        return mesh_by_value(mesh)
     return value
 
 

@@ -75,3 +75,9 @@ def check_tensor_parallel_world(world_size: int, tp: int, mode: str) -> None:
                          f"(the mesh is (world // tp, tp)); pick a tp that divides {world_size}")
     if tp > 1 and mode != "fully_shard":
         raise ValueError(f"tensor parallelism composes with mode='fully_shard' only, got mode={mode!r}")
+
+
+def mesh_by_value(mesh: DeviceMesh) -> str:
+    """``mesh`` as what a graph compiled for it depends on: ranks, layout, device, dim names, process groups' names."""
+    groups = [mesh.get_group(dim).group_name for dim in range(mesh.ndim)]
+    return f"DeviceMesh {mesh._stable_hash()} groups {groups}"
