@@ -3,16 +3,18 @@
 
 Dynamo decides which compiled graph fits a call by its guards, which it cannot save for a sharded module: their pickle
 reaches the classes that sharding makes at run time, and loading them costs more than tracing again. A precompiled
-call instead keys each graph by what it depends on (``call_key``): the model, the arguments of ``compile_sharded``,
-the inputs, the modules' plain attributes, the gradient-sync state and torch's global state. Each key gets one graph,
-compiled by ``torch.compile(...).aot_compile`` with no guards and saved under ``SIMPLEFSDP_CACHE``. A saved graph is
-loaded only if the source of every function Dynamo traced for it is unchanged.
+call instead keys each graph by what it depends on: fixed in a run (``run_key``: the machine, versions, the model,
+the arguments of ``compile_sharded``, the process groups) and at each call (the inputs, the modules' plain
+attributes, the gradient-sync state and torch's global state). Each key gets one graph, compiled by
+``torch.compile(...).aot_compile`` with no guards and saved under ``SIMPLEFSDP_CACHE``. A saved graph is loaded only
+if the source of every function Dynamo traced for it is unchanged.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import platform
 import sys
 import warnings
 from pathlib import Path
@@ -49,13 +51,20 @@ def source_digest() -> str:
 
 
 def run_key(module: nn.Module, arguments: str) -> str:
-    """What a compiled graph of ``module`` depends on that stays fixed in a run: versions, simplefsdp's source,
-    ``compile_sharded``'s ``arguments``, the parameters' and buffers' names, this rank and its process groups."""
+    """What a compiled graph of ``module`` depends on that stays fixed in a run: the machine, versions, simplefsdp's
+    source, ``compile_sharded``'s ``arguments``, the parameters' and buffers' names, this rank and its process
+    groups."""
     meshes = {param.device_mesh for param in module.parameters() if isinstance(param, DTensor)}
     groups = sorted(f"{mesh_by_value(mesh)} at {mesh.get_coordinate()}" for mesh in meshes)
     names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
     names += [name for name, _ in module.named_buffers(remove_duplicate=False)]
-    return repr((torch.__version__, sys.version, source_digest(), arguments, names, groups))
+    return repr((machine(), torch.__version__, sys.version, source_digest(), arguments, names, groups))
+
+
+def machine() -> tuple:
+    """What compiled kernels depend on of this machine: a cache shared by hosts of other CPUs or GPUs stays apart."""
+    gpus = [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
+    return platform.node(), platform.machine(), torch.backends.cpu.get_cpu_capability(), gpus
 
 
 def _described(value: Any) -> Any:
@@ -107,8 +116,8 @@ def sources_unchanged(compiled: Any) -> bool:
 
 
 class PrecompiledCall:
-    """``module``'s compiled call: per ``call_key``, the graph saved by an earlier process, else compiled by
-    ``backend`` and saved."""
+    """``module``'s compiled call: for each state of its inputs and modules, the graph an earlier process saved for
+    it, else one compiled by ``backend`` and saved."""
 
     def __init__(self, module: nn.Module, backend: Callable, run: str) -> None:
         self.module, self.backend, self.run = module, backend, run
@@ -142,7 +151,7 @@ class PrecompiledCall:
     def _compile(self, key: str, args: tuple, kwargs: dict) -> Callable:
         limit = torch._dynamo.config.recompile_limit
         if len(self.graphs) >= limit:
-            raise RuntimeError(f"precompile compiled {len(self.graphs)} graphs for this model (Dynamo's recompile "
+            raise RuntimeError(f"precompile holds {len(self.graphs)} graphs for this model (Dynamo's recompile "
                                f"limit is {limit}): each new input shape compiles a graph of its own. Pass "
                                "precompile=False to compile_sharded where shapes vary; Dynamo then compiles them "
                                "dynamic.")
