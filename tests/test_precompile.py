@@ -78,6 +78,7 @@ def test_a_graph_is_keyed_by_what_it_depends_on(fake_world):
     changes = [
         lambda: model.layers[0].train(False),
         lambda: setattr(model.layers[1].attention, "n_heads", 8),
+        lambda: delattr(model.layers[1].attention, "n_heads"),
         lambda: model.set_requires_gradient_sync(False),
         lambda: next(model.output.parameters()).requires_grad_(False),
     ]

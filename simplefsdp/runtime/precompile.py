@@ -32,6 +32,7 @@ from simplefsdp.runtime.grad_sync import GradientSync
 from simplefsdp.runtime.mesh import mesh_by_value
 
 PLAIN = (bool, int, float, str, type(None))
+ABSENT = "<absent>"
 ARTIFACTS = CACHE_DIR / "precompiled"
 
 
@@ -92,7 +93,7 @@ class ModuleState:
                              for accumulator in vars(sub).get("_grad_accumulators", {}).values()]
 
     def __call__(self) -> tuple:
-        state = [table[name] for table, name in self.plain]
+        state = [table.get(name, ABSENT) for table, name in self.plain]  # an attribute deleted since: ABSENT
         for table, name in self.tensors:
             tensor = table.get(name)
             state.append(None if tensor is None else (tensor.shape, tensor.dtype, tensor.requires_grad))
