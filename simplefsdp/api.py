@@ -167,6 +167,8 @@ def compile_sharded(
                                 block_fqns, data_parallel_groups(mesh),
                                 agreement_groups(mesh, tp_mesh))
         compile_options = inductor_options(overlap, compile_options)
+        if precompile:  # a precompiled graph holds the plan, which follows rank 0's hardware profile of this run
+            requested += overlap.uuid().hex()
     if compile_blocks_once and backend == "inductor":
         from simplefsdp.passes.region_inputs import RecomputeRegionInputs
         # Inductor 2.13 reuses a buffer that a later block's region call still reads: wrong norm gradients

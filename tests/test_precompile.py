@@ -16,8 +16,10 @@ from ranks import run_on_ranks
 from torch._dynamo.package import SourceInfo
 from torch._dynamo.utils import counters
 
+import simplefsdp.api
 import simplefsdp.runtime.precompile as precompile
 from simplefsdp import compile_sharded
+from simplefsdp.ir.hardware import get_profile
 from simplefsdp.models.llama import build_model
 
 STEPS, MICRO_BATCHES = 3, 2
@@ -87,6 +89,16 @@ def test_a_graph_is_keyed_by_what_it_depends_on(fake_world):
         assert state() != first
         first = state()
 
+
+
+def test_the_run_key_holds_the_plan_s_hardware_profile(fake_world, monkeypatch):
+    """Rank 0's profile prices "auto" buckets: a graph saved under another profile holds another plan, which a rank
+    that loads it would run against ranks that compiled the new one."""
+    keys = []
+    for name in ("h100", "a100"):
+        monkeypatch.setattr(simplefsdp.api, "agreed_profile", lambda device_type, name=name: get_profile(name))
+        keys.append(compile_sharded(build_model("debug"), precompile=True)._compiled_call_impl.run)
+    assert keys[0] != keys[1]
 
 def test_a_changed_source_is_seen(tmp_path, monkeypatch):
     path = tmp_path / "traced_module.py"
