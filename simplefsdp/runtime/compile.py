@@ -97,8 +97,8 @@ class InductorOncePerHost(_TorchCompileInductorWrapper):
 def _graph_lock(gm: torch.fx.GraphModule, example_inputs):
     """Hold this host's lock of Dynamo's graph ``gm`` (its code, its inputs' shapes, strides and dtypes, a DTensor's
     local shard's too) while it compiles: a process that waited finds the graph in AOTAutograd's cache and skips
-    AOTAutograd's tracing, the passes and Inductor. No lock where the FX graph cache is off, or AOTAutograd's is
-    bypassed (``aot_compile``, under ``runtime/precompile.py``): nothing would be loaded."""
+    AOTAutograd's tracing, the passes and Inductor. No lock where the FX graph cache is off, or under ``aot_compile``
+    (``runtime/precompile.py``), which keys AOTAutograd's cache per process: nothing would be loaded."""
     if not inductor_config.fx_graph_cache or torch._functorch.config.bypass_autograd_cache_key:
         yield
         return
