@@ -90,7 +90,6 @@ def test_a_graph_is_keyed_by_what_it_depends_on(fake_world):
         first = state()
 
 
-
 def test_the_run_key_holds_the_plan_s_hardware_profile(fake_world, monkeypatch):
     """Rank 0's profile prices "auto" buckets: a graph saved under another profile holds another plan, which a rank
     that loads it would run against ranks that compiled the new one."""
@@ -99,6 +98,7 @@ def test_the_run_key_holds_the_plan_s_hardware_profile(fake_world, monkeypatch):
         monkeypatch.setattr(simplefsdp.api, "agreed_profile", lambda device_type, name=name: get_profile(name))
         keys.append(compile_sharded(build_model("debug"), precompile=True)._compiled_call_impl.run)
     assert keys[0] != keys[1]
+
 
 def test_a_changed_source_is_seen(tmp_path, monkeypatch):
     path = tmp_path / "traced_module.py"
