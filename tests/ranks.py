@@ -10,6 +10,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -37,6 +38,9 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, environment:
     os.environ.clear()  # the caller's environment, not the fork server's of its start
     os.environ.update(environment)
     apply_simulated_simdlen()
+    # One intra-op thread per rank: Inductor's CPU kernels that add by atomics from several threads (the embedding's
+    # backward) sum in no fixed order, and the bitwise checks compare runs. It also keeps N ranks to N threads.
+    torch.set_num_threads(1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
