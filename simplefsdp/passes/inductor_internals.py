@@ -1,17 +1,20 @@
-"""Every private PyTorch Inductor API the passes use, in one place (tested in tests/test_passes.py).
+"""Every private PyTorch Inductor API the passes use, in one place (tested in tests/test_passes.py and
+tests/test_pinned_regions.py).
 
 Inductor's FX bucketing replaces a list of collectives by one on a flat buffer: ``process_collective_bucket`` traces
 our ``bucket_copies.all_gather_bucket`` in place of all-gathers (folding a cast just before each into the copy-in),
 ``merge_reduce_scatter_bucket`` (``custom_ops`` mode) copies gradients in with one opaque op and out as views. Padding
 for uneven shards stays outside the merged region. ``merge_all_reduce_bucket`` all-reduces gradients concatenated;
 all-to-alls (quantized gradients) go side by side through ``bucket_copies.all_to_all_bucket``.
-``preserve_node_ordering`` adds dependencies Inductor's scheduler must respect. ``bucket_traces_reused`` swaps
+``preserve_node_ordering`` adds dependencies Inductor's scheduler must respect (its ``control_deps`` around a
+region call reshaped so that torch 2.14 lowers it too). ``bucket_traces_reused`` swaps
 the bucketing module's ``_trace`` (its ``make_fx`` of a bucket's body) for one that traces each signature once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Callable, Hashable, Iterator
 from unittest import mock
 
@@ -113,4 +116,41 @@ def pin_order(graph: fx.Graph, after: dict[fx.Node, list[fx.Node]]) -> None:
     for node, deps in after.items():
         if deps and pinned(node):
             node.args = ((*node.args[0], *deps), *node.args[1:])
-    preserve_node_ordering(graph, {node: OrderedSet(deps) for node, deps in after.items() if deps and not pinned(node)})
+    wrap = {node: OrderedSet(deps) for node, deps in after.items() if deps and not pinned(node)}
+    names = {node.name for node in wrap}
+    preserve_node_ordering(graph, wrap)
+    for node in [node for node in graph.nodes if node.name in names]:
+        _lowerable_on_torch_2_14(graph, node)
+
+
+def _lowerable_on_torch_2_14(graph: fx.Graph, pinned_node: fx.Node) -> None:
+    """Make ``pinned_node`` (a node wrapped in ``control_deps``, a block's region call among them) one that torch 2.14
+    lowers. Its lowering realizes every argument and every output of ``control_deps``, which a subgraph and a ``None``
+    gradient cannot be ("realize NYI on Subgraph"): the wrapped graph reads the subgraphs itself (Inductor resolves
+    their names on the outer module, which keeps the attributes as long as no unused ``get_attr`` names them: those it
+    deletes, so they are erased) and returns ``None`` outputs as constants."""
+    owner = graph.owning_module
+    wrapped = getattr(owner, pinned_node.args[1].target)
+    placeholders = wrapped.graph.find_nodes(op="placeholder")
+    subgraphs = [arg for arg in pinned_node.args[2:]
+                 if arg.op == "get_attr" and isinstance(getattr(owner, arg.target), fx.GraphModule)]
+    values = pinned_node.meta.get("val")
+    nones = isinstance(values, (list, tuple)) and any(value is None for value in values)
+    if not subgraphs and not nones:
+        return
+    for placeholder, arg in zip(placeholders, pinned_node.args[2:]):
+        if arg in subgraphs:
+            setattr(wrapped, arg.target, getattr(owner, arg.target))
+            with wrapped.graph.inserting_after(placeholders[-1]):
+                placeholder.replace_all_uses_with(wrapped.graph.get_attr(arg.target))
+            wrapped.graph.erase_node(placeholder)
+    pinned_node.args = (*pinned_node.args[:2], *[arg for arg in pinned_node.args[2:] if arg not in subgraphs])
+    for node in (node for node in subgraphs if not node.users):
+        graph.erase_node(node)
+    if nones:
+        output = wrapped.graph.output_node()
+        call = output.args[0]
+        with wrapped.graph.inserting_before(output):
+            output.args = (tuple(None if value is None else wrapped.graph.call_function(operator.getitem, (call, index))
+                                 for index, value in enumerate(values)),)
+    wrapped.recompile()
