@@ -37,13 +37,16 @@ def apply_buckets(graph: fx.Graph, plan: BucketPlan) -> None:
 
 
 def _one_wait(graph: fx.Graph, collective: fx.Node) -> None:
-    """Make the first wait of ``collective`` serve every user of its other waits (a parameter read twice in one module
-    can leave two), as merging expects one wait per collective."""
-    waits = [user for user in collective.users if user.target is torch.ops._c10d_functional.wait_tensor.default]
-    if len(waits) < 2:
+    """Make the first wait of ``collective`` its one user, as merging expects: that wait serves the users of its other
+    waits (a parameter read twice in one module can leave two) and every node after it that reads the collective's
+    result itself (torch 2.14's partitioner saves a gathered weight for the backward unwaited: a graph output)."""
+    if len(collective.users) < 2:
         return
     order = {node: index for index, node in enumerate(graph.nodes)}
-    waits.sort(key=order.__getitem__)
+    waits = sorted((user for user in collective.users if user.target is torch.ops._c10d_functional.wait_tensor.default),
+                   key=order.__getitem__)
     for extra in waits[1:]:
         extra.replace_all_uses_with(waits[0])
         graph.erase_node(extra)
+    for user in [user for user in collective.users if waits and order[user] > order[waits[0]]]:
+        user.replace_input_with(collective, waits[0])

@@ -1,5 +1,5 @@
 """Every private PyTorch Inductor API the passes use, in one place (tested in tests/test_passes.py and
-tests/test_pinned_regions.py).
+tests/test_torch_2_14.py).
 
 Inductor's FX bucketing replaces a list of collectives by one on a flat buffer: ``process_collective_bucket`` traces
 our ``bucket_copies.all_gather_bucket`` in place of all-gathers (folding a cast just before each into the copy-in),

@@ -1,9 +1,11 @@
-"""A block's region call pinned by the reorder pass takes the shape torch 2.14's Inductor can lower.
+"""Graph shapes torch 2.14 makes or needs, checked on torch 2.13 too: the suite runs on 2.13.0, so each shape is
+checked directly, on graphs traced on the fake process group.
 
-torch 2.14 lowers Inductor's ``control_deps`` by realizing every argument and every output, which a subgraph (the
-region's block) and a ``None`` gradient cannot be: before ``passes/inductor_internals.py`` rewrote them, every
-multi-rank run with blocks compiled once failed there ("realize NYI on Subgraph"). The suite runs on torch 2.13,
-which lowers either shape, so the shape itself is checked here, on the graphs traced on the fake process group.
+- torch 2.14 lowers Inductor's ``control_deps`` by realizing every argument and every output, which a subgraph (a
+  region's block) and a ``None`` gradient cannot be: until ``passes/inductor_internals.py`` reshaped a pinned region
+  call, every multi-rank run with blocks compiled once failed there ("realize NYI on Subgraph").
+- torch 2.14's partitioner can save a gathered weight for the backward before its wait (the all-gather's result is a
+  graph output): Inductor's bucketing wants the wait as the one user (``passes/bucket_apply.py: _one_wait``).
 """
 
 import operator
@@ -17,10 +19,14 @@ from simplefsdp import compile_sharded
 from simplefsdp.ir.capture import capture_graphs
 from simplefsdp.ir.schedule import pinned
 from simplefsdp.models.llama import build_model
+from simplefsdp.passes.bucket_apply import _one_wait
 from simplefsdp.passes.bucket_plan import find_blocks
 from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.region_inputs import recompute_region_inputs
 from simplefsdp.runtime.fake_world import fake_world
+
+all_gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+wait_tensor = torch.ops._c10d_functional.wait_tensor.default
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +74,19 @@ def test_pinned_region_calls_pass_no_subgraph_and_return_nones_as_constants(reor
         gm.graph.lint()
     assert nones, "a backward region call returns a None gradient (the rope buffer's)"
 
+
+
+def test_a_gathered_weight_saved_unwaited_is_read_from_its_wait():
+    """The forward of a kept (not resharded) weight as torch 2.14 partitions it, two parameters bucketed into one
+    all-gather: each all-gather's result is also a graph output, which now reads its wait."""
+    graph = fx.Graph()
+    shards = [graph.placeholder(f"shard_{index}") for index in range(2)]
+    gathered, waited = [], []
+    for shard in shards:
+        gathered.append(graph.call_function(all_gather, (shard, 8, "0")))
+        waited.append(graph.call_function(wait_tensor, (gathered[-1],)))
+    graph.output((*[graph.call_function(torch.ops.aten.mul.Tensor, (tensor, 2)) for tensor in waited], *gathered))
+    for collective in gathered:
+        _one_wait(graph, collective)
+    assert [list(collective.users) for collective in gathered] == [[wait] for wait in waited]
+    assert graph.output_node().args[0][2:] == tuple(waited)
