@@ -108,14 +108,16 @@ def _one_bucket_less(passes: OverlapPasses, schedule):
 _plan_buckets = OverlapPasses.plan_buckets
 
 
-def _guarded_forward() -> tuple[str, float]:
-    """Compile a fresh model, run its forward; return the guard's error and this rank's seconds to raise it."""
-    torch._dynamo.reset()
-    rank_agreement.AGREED.clear()  # as in a new process
-    model = compile_sharded(_blocks(), buckets="block")
+def _guarded_forward(model: nn.Module | None = None, rows: int = 4) -> tuple[str, float]:
+    """Run a forward of ``model`` (default: a fresh one, compiled anew) on ``rows`` rows; return the guard's error
+    and this rank's seconds to raise it."""
+    if model is None:
+        torch._dynamo.reset()
+        rank_agreement.GRAPHS.clear()  # as in a new process
+        model = compile_sharded(_blocks(), buckets="block")
     start = time.perf_counter()
     try:
-        model(torch.randn(4, 16))
+        model(torch.randn(rows, 16))
     except ValueError as error:
         return str(error), time.perf_counter() - start
     return "no error", time.perf_counter() - start
@@ -137,14 +139,15 @@ def _evaluate_on_rank_0_then_train(model: nn.Module) -> str:
 def _guard_cases(cache_root: str) -> dict:
     """1. Both ranks plan alike: train 3 steps, then rank 0 alone evaluates. 2. Rank 1 plans one bucket less and
     compiles; rank 0 loads the first case's graphs from its FX graph cache (its passes never run). 3. Both compile,
-    rank 1 one bucket less."""
+    rank 1 one bucket less. 4. Both train a step alike; then rank 1 alone meets a new input shape and recompiles, one
+    bucket less, while rank 0 runs the graph it has (a sequence length of each rank's own)."""
     rank = dist.get_rank()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"rank{rank}")  # no rank reads another's plan
     batches = [torch.randn(8, 16, generator=torch.Generator().manual_seed(step)) for step in range(3)]
     reference = _train(copy.deepcopy(_blocks()), batches)
     model = compile_sharded(_blocks(), buckets="block")
     losses = _train(model, [batch.chunk(2)[rank] for batch in batches])
-    result = {"reference": reference, "losses": losses, "exchanges": len(rank_agreement.AGREED)}
+    result = {"reference": reference, "losses": losses, "graphs": len(rank_agreement.GRAPHS)}
     result["evaluated_on_rank_0"] = _evaluate_on_rank_0_then_train(model)
     hits_before = graph_cache_hits()
     if rank == 1:
@@ -156,35 +159,45 @@ def _guard_cases(cache_root: str) -> dict:
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     result["both_compile"] = _guarded_forward()
+    OverlapPasses.plan_buckets = _plan_buckets
+    torch._dynamo.reset()
+    model = compile_sharded(_blocks(), buckets="block")
+    model(torch.randn(4, 16)).sum().backward()  # planned alike
+    if rank == 1:
+        OverlapPasses.plan_buckets = _one_bucket_less
+    result["recompiled_on_rank_1"] = _guarded_forward(model, rows=6 if rank == 1 else 4)
     return result
 
 
 def test_ranks_that_plan_different_collectives_raise_the_same_error(tmp_path):
     results = run_on_ranks(2, _guard_cases, str(tmp_path))
-    # Planned alike: the guard exchanges once per compiled graph (forward, backward), then training is unchanged.
+    # Planned alike: two graphs guarded (forward, backward), and training is unchanged.
     for result in results:
-        assert result["exchanges"] == 2
+        assert result["graphs"] == 2
     for step, reference in enumerate(results[0]["reference"]):
         loss = sum(result["losses"][step] for result in results) / 2  # each rank's loss is the mean of its half
         assert abs(loss - reference) <= FORWARD_BACKWARD_BOUND * abs(reference)
     # A forward on rank 0 alone: the per-call check of rank 0's next forward meets rank 1's backward's, on both ranks
-    assert {result["evaluated_on_rank_0"] for result in results} == {
-        "the ranks of process group (0, 1) ran different compiled graphs at the same call: every rank must call the "
-        "model the same way, step by step. A forward on some ranks only (evaluation on rank 0 alone), a backward or "
-        "optimizer step skipped on one rank (a batch skipped for its loss), or a model called on one rank only would "
-        "hang or exchange the wrong bytes in the graphs' collectives"}
+    messages = {result["evaluated_on_rank_0"] for result in results}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message.startswith("ranks ran compiled graphs with different collectives at the same call: collective "), \
+        message
+    assert "Every rank must call the model the same way, step by step. A forward on some ranks only" in message
     assert results[0]["cache_hits"] >= 1  # rank 0's graph came from the cache: its passes did not run
-    for case in ("cache_hit", "both_compile"):
+    # Before the guard exchanged the same thing at every call, rank 1's new graph (an object all-gather at its first
+    # call) met rank 0's graph (an all-reduce) in the recompile case, and both waited for gloo's timeout.
+    for case in ("cache_hit", "both_compile", "recompiled_on_rank_1"):
         messages = {result[case][0] for result in results}
         assert len(messages) == 1, messages
         message = messages.pop()
         # Rank 1 gathers the second block's four parameters one by one: the first one differs from the bucket.
         # (Blocks compiled once, the default: a gather is named by its block.)
-        assert message.startswith("ranks planned different collectives for one compiled graph: collective 1 on "
+        assert message.startswith("ranks planned different buckets for the same collectives: collective 1 on "
                                   "process group (0, 1) is all_gather group=(0, 1) elements=512 dtype=torch.float32 "
                                   "module=1 on rank 1, all_gather group=(0, 1) elements=1072 dtype=torch.float32 "
-                                  "module=1 on rank 0 ")
-        assert "buckets='block' or buckets=None" in message
+                                  "module=1 on rank 0 "), message
+        assert "pass buckets='block' or buckets=None" in message
         assert max(result[case][1] for result in results) < GUARD_SECONDS
 
 
@@ -199,7 +212,6 @@ def _evaluate_on_rank_0_of_a_2d_mesh() -> str:
 def test_a_forward_on_one_rank_of_a_2d_mesh_raises_on_every_rank():
     """Rank 3, whose two groups agree, would otherwise go on into the backward's collectives and wait there."""
     messages = run_on_ranks(4, _evaluate_on_rank_0_of_a_2d_mesh)
-    rest = " ran different compiled graphs at the same call: every rank must call the model the same way"
     # ranks 0 and 2 meet the difference in their replica group; ranks 1 and 3 learn of it from rank 0 and rank 2
-    for rank, group in enumerate(("process group (0, 2)", "a process group of the mesh that holds other ranks") * 2):
-        assert messages[rank].startswith(f"the ranks of {group}{rest}"), messages[rank]
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith("ranks ran compiled graphs with different collectives at the same call: "), messages

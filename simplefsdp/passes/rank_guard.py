@@ -2,10 +2,10 @@
 graph, with the graph's collective signature (``ir.signature``) baked in as a constant, and every collective of the
 graph pinned after it.
 
-At run time, before the graph's first collective, the op checks once that every rank planned the same collectives,
-and at every run that every rank runs a graph with these collectives now (``runtime/rank_agreement.py``). Its
-arguments are constants of the graph, so a graph loaded from Inductor's FX graph cache, where this pass did not run,
-checks its own plan too. The pass itself runs no collective.
+At run time, before the graph's first collective, the op checks at every run that every rank runs a graph with these
+collectives now, and names the first that differs where one does (``runtime/rank_agreement.py``). Its arguments are
+constants of the graph, so a graph loaded from Inductor's FX graph cache, where this pass did not run, checks its own
+plan too. The pass itself runs no collective.
 """
 
 from __future__ import annotations

@@ -1,17 +1,20 @@
 """Ranks agreeing before collectives run: the same model on every rank, and the same collectives in every compiled
 graph.
 
-Both exchange over the dimensions of a mesh with ``gather_over_mesh``, a hierarchical all-gather (along dim 0, then
-what is known so far along dim 1, ...), after which every rank holds every rank's data, without creating a process
-group. Digests go first; full data only when digests differ. Every rank then reaches the same verdict and raises the
-same ``ValueError``, so no rank is left waiting in a collective that a rank which raised never joins.
+The model check exchanges over the dimensions of a mesh with ``gather_over_mesh``, a hierarchical all-gather (along
+dim 0, then what is known so far along dim 1, ...), after which every rank holds every rank's data, without creating a
+process group; a graph's check all-reduces a digest per dimension. Digests go first; full data only when digests
+differ. Every rank then reaches the same verdict and raises the same ``ValueError``, so no rank is left waiting in a
+collective that a rank which raised never joins.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Hashable, Mapping, Sequence, TypeVar
+import re
+from collections import Counter
+from typing import Any, Hashable, Mapping, NoReturn, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,9 +27,9 @@ from simplefsdp.ir.signature import lines_by_group, signature_digest
 
 T = TypeVar("T")
 
-# (lines, group names) of the compiled graphs whose collectives this process's peers agreed on, each with what every
-# call of the graph all-reduces (``check_same_graph_running``).
-AGREED: dict[tuple[str, str], list[tuple[dist.ProcessGroup, torch.Tensor]]] = {}
+# (lines, group names) of the compiled graphs this process has run, each with its mesh dims' process groups and what
+# every call of the graph all-reduces (``_difference_seen``).
+GRAPHS: dict[tuple[str, str], tuple[list[dist.ProcessGroup], list[tuple[dist.ProcessGroup, torch.Tensor]]]] = {}
 
 
 def gather_over_mesh(value: T, groups: Sequence[dist.ProcessGroup]) -> dict[int, T]:
@@ -106,25 +109,6 @@ def _first_disagreement(by_rank: Mapping[int, Mapping[tuple[int, ...], Hashable]
     return None
 
 
-def check_same_collectives(lines: Sequence[str], groups: Sequence[dist.ProcessGroup]) -> None:
-    """Raise the same ``ValueError`` on every rank of the mesh spanned by ``groups`` unless, for every process group
-    in ``lines`` (``ir.signature``), its members hold the same lines for it.
-
-    One object all-gather of per-group digests per mesh dimension; the lines themselves only on a mismatch."""
-    mine = lines_by_group(lines)
-    digests = gather_over_mesh({group: signature_digest(group_lines) for group, group_lines in mine.items()}, groups)
-    if _first_disagreement(digests) is None:
-        return
-    everyone = gather_over_mesh(mine, groups)
-    group, rank, first = _first_disagreement(everyone)
-    index, detail = _first_difference(everyone[rank].get(group, ()), everyone[first].get(group, ()), rank, first)
-    raise ValueError(
-        f"ranks planned different collectives for one compiled graph: collective {index} on process group {group} "
-        f"is {detail} (module: the first module in it). Running them would hang or exchange the wrong bytes. Every "
-        "rank must plan the same collectives (the passes' plans must depend only on facts that are the same on every "
-        "rank): report this with the model; buckets='block' or buckets=None avoid the automatic planner meanwhile")
-
-
 def _digest_pairs(lines: Sequence[str], groups: Sequence[dist.ProcessGroup]
                   ) -> list[tuple[dist.ProcessGroup, torch.Tensor]]:
     """For each of ``groups``, the pair (d, -d) of the digest d of the ``lines`` on it, on the group's device."""
@@ -140,46 +124,67 @@ def _digest_pairs(lines: Sequence[str], groups: Sequence[dist.ProcessGroup]
 SEEN = 1 << 61  # added to a pair by a rank that saw a difference: lifts the group's maxima past every 60-bit digest
 
 
-def check_same_graph_running(pairs: Sequence[tuple[dist.ProcessGroup, torch.Tensor]]) -> None:
-    """Raise ``ValueError`` on every rank of the mesh unless the ranks of each group run, at this call, graphs with
-    the same collectives on it: one all-reduce (max) of a pair of ``_digest_pairs`` per group. A rank that calls the
-    model where the others do not (evaluation on rank 0 alone, a step skipped on one rank) meets this check of another
-    graph, which differs, instead of that graph's collectives. A rank that has seen a difference adds ``SEEN`` to its
-    next pairs, and the groups of all but the last dimension all-reduce once more: on a mesh of n dimensions those
-    n - 1 all-reduces reach every rank from any group (each group of one dimension holds a member of every group of
-    another). Two elements a reduction: gloo took twice as long for three."""
-    seen, differing = False, None
+def _difference_seen(pairs: Sequence[tuple[dist.ProcessGroup, torch.Tensor]]) -> bool:
+    """Whether, at this call, the ranks of some group of the mesh run graphs with different collectives on it: one
+    all-reduce (max) of a pair of ``_digest_pairs`` per group, the same collective whatever graph a rank runs, and so
+    on every rank the same answer. A rank that has seen a difference adds ``SEEN`` to its next pairs, and the groups
+    of all but the last dimension all-reduce once more: on a mesh of n dimensions those n - 1 all-reduces reach every
+    rank from any group (each group of one dimension holds a member of every group of another). Two elements a
+    reduction: gloo took twice as long for three."""
+    seen = False
     for group, pair in [*pairs, *((group, torch.zeros_like(pair)) for group, pair in pairs[:-1])]:
         reduced = pair + SEEN if seen else pair.clone()
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
         highest, minus_lowest = reduced.tolist()
-        if highest >= SEEN // 2:
-            seen = True
-        elif highest != -minus_lowest:
-            seen, differing = True, differing or tuple(dist.get_process_group_ranks(group))
-    if seen:
-        where = f"process group {differing}" if differing else "a process group of the mesh that holds other ranks"
+        seen = seen or highest >= SEEN // 2 or highest != -minus_lowest
+    return seen
+
+
+def _totals(lines: Sequence[str]) -> Counter:
+    """Elements per (kind, dtype) of collective ``lines``: equal where two ranks bucket the same collectives."""
+    totals: Counter = Counter()
+    for line in lines:
+        kind, elements, dtype = re.fullmatch(r"(\S+) group=.* elements=(\d+) dtype=(\S+) module=.*", line).groups()
+        totals[kind, dtype] += int(elements)
+    return totals
+
+
+def raise_for_difference(lines: Sequence[str], groups: Sequence[dist.ProcessGroup]) -> NoReturn:
+    """Raise the same ``ValueError`` on every rank of the mesh spanned by ``groups``, each rank running a graph with
+    the collective ``lines``, once every rank has seen that they differ: one object all-gather of the lines per mesh
+    dimension, then the first group whose members differ, and its first differing collective."""
+    everyone = gather_over_mesh(lines_by_group(lines), groups)
+    group, rank, first = _first_disagreement(everyone)  # digests differ only where lines do
+    theirs, reference = everyone[rank].get(group, ()), everyone[first].get(group, ())
+    index, detail = _first_difference(theirs, reference, rank, first)
+    where = f"collective {index} on process group {group} is {detail} (module: the first module in it)"
+    if _totals(theirs) == _totals(reference):
         raise ValueError(
-            f"the ranks of {where} ran different compiled graphs at the same call: every rank must call the "
-            "model the same way, step by step. A forward on some ranks only (evaluation on rank 0 alone), a backward "
-            "or optimizer step skipped on one rank (a batch skipped for its loss), or a model called on one rank only "
-            "would hang or exchange the wrong bytes in the graphs' collectives")
+            f"ranks planned different buckets for the same collectives: {where}. Running them would hang or exchange "
+            "the wrong bytes. buckets='auto' prices compute from each rank's input shapes, so ranks whose inputs "
+            "differ in shape (a sequence length of their own) can plan differently: pass buckets='block' or "
+            "buckets=None, which plan from the model alone, or give every rank inputs of one shape (if they had one "
+            "shape, report this with the model)")
+    raise ValueError(
+        f"ranks ran compiled graphs with different collectives at the same call: {where}. Every rank must call the "
+        "model the same way, step by step. A forward on some ranks only (evaluation on rank 0 alone), a backward or "
+        "optimizer step skipped on one rank (a batch skipped for its loss), or a model called on one rank only would "
+        "hang or exchange the wrong bytes in the graphs' collectives")
 
 
 @torch.library.custom_op("simplefsdp::agree_on_collectives", mutates_args=())
 def agree_on_collectives(lines: str, group_names: str) -> torch.Tensor:
-    """Check that the ranks of the mesh whose dimensions' groups are ``group_names`` (comma-separated) planned the
-    collective ``lines`` (newline-separated) alike (``check_same_collectives``), once per (lines, groups) in the
-    process; then, at every call, that they run a graph with these collectives now (``check_same_graph_running``).
-    Returns an empty tensor for the graph's collectives to depend on.
-
-    A graph compiled again in this process (a recompile) with lines agreed before does not exchange: if another
-    rank's recompile planned differently, that rank alone would wait in the exchange (as without the guard)."""
-    if (lines, group_names) not in AGREED:
+    """Check, at every call, that the ranks of the mesh whose dimensions' groups are ``group_names`` (comma-separated)
+    run a graph with the collective ``lines`` (newline-separated) now (``_difference_seen``), and raise the same
+    ``ValueError`` on every rank where they do not. The first call of a graph exchanges what every later call does,
+    so a rank that has just compiled a graph and a rank that runs one compiled before meet in the same collective.
+    Returns an empty tensor for the graph's collectives to depend on."""
+    if (lines, group_names) not in GRAPHS:
         groups = [process_group(name) for name in group_names.split(",")]
-        check_same_collectives(lines.split("\n"), groups)
-        AGREED[lines, group_names] = _digest_pairs(lines.split("\n"), groups)
-    check_same_graph_running(AGREED[lines, group_names])
+        GRAPHS[lines, group_names] = groups, _digest_pairs(lines.split("\n"), groups)
+    groups, pairs = GRAPHS[lines, group_names]
+    if _difference_seen(pairs):
+        raise_for_difference(lines.split("\n"), groups)
     return torch.empty(0)
 
 
