@@ -329,8 +329,7 @@ def train_changing_shapes(model: nn.Module, world: int, rank: int | None = None,
         optimizer.zero_grad()
         losses.append(loss.detach())
         graphs.append(counters["stats"]["unique_graphs"] - graphs_before)
-    params = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
-              for name, p in model.named_parameters()}
+    params = _full_parameters(model)
     if not evaluate:
         return {"losses": losses, "params": params, "graphs": graphs, "outputs": {}}
     model.eval()
@@ -342,13 +341,42 @@ def train_changing_shapes(model: nn.Module, world: int, rank: int | None = None,
             "outputs": {"eval_no_grad": eval_no_grad, "inference_mode": inference}}
 
 
-def run_changing_shape_jobs(scenario: str, jobs: list[tuple[dict, bool]]) -> list[dict]:
-    """For each ``(compile_sharded options, evaluate)``, ``train_changing_shapes`` ``scenario``'s model on this rank."""
+def _full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+            for name, p in model.named_parameters()}
+
+
+# Each rank's own sequence length at each step, (rank 0, rank 1), 3 sequences a rank: rank 0 meets a new length at
+# step 1 and rank 1 at step 2, each recompiling while the other runs the graph it has.
+RAGGED_SEQ_LENS = [(32, 32), (24, 32), (32, 16)]
+
+
+def train_ragged(model: nn.Module, world: int, rank: int | None = None) -> dict:
+    """SGD on ``RAGGED_SEQ_LENS``: ``rank``'s own batch, or in one process the mean of every rank's loss (what the
+    ranks' averaged gradients descend). Returns the losses and the full parameters."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=CHANGING_SHAPES_LR)
+    losses = []
+    for step, lengths in enumerate(RAGGED_SEQ_LENS):
+        ranks = range(world) if rank is None else [rank]
+        batches = [changing_batch(10 * step + each, 3, lengths[each]) for each in ranks]
+        loss = sum(_lm_loss(model(inputs), target) for inputs, target in batches) / len(batches)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": losses, "params": _full_parameters(model)}
+
+
+def run_changing_shape_jobs(scenario: str, jobs: list[tuple[dict, str]]) -> list[dict]:
+    """For each ``(compile_sharded options, kind)``, train ``scenario``'s model on this rank: ``"evaluate"`` and
+    ``"train"`` by ``train_changing_shapes`` (with and without its eval), ``"ragged"`` by ``train_ragged``."""
     from simplefsdp import compile_sharded
 
     results = []
-    for options, evaluate in jobs:
+    for options, kind in jobs:
         torch._dynamo.reset()
         model = compile_sharded(build(scenario), **options)
-        results.append(train_changing_shapes(model, dist.get_world_size(), dist.get_rank(), evaluate))
+        world, rank = dist.get_world_size(), dist.get_rank()
+        results.append(train_ragged(model, world, rank) if kind == "ragged"
+                       else train_changing_shapes(model, world, rank, kind == "evaluate"))
     return results
