@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, TypeVar
+import sys
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -17,10 +19,13 @@ from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
 from simplefsdp.runtime.quantize import Quantize, check_read_once
-from simplefsdp.runtime.rank_agreement import agreement_groups, check_same_model_on_all_ranks
+from simplefsdp.runtime.rank_agreement import agreement_groups, check_same_model_on_all_ranks, same_input_shapes
 from simplefsdp.runtime.replicate_compute import ReplicateComputation, gather_tied_once_per_call, reduce_pending
 from simplefsdp.runtime.sharding import broadcast_buffers, check_not_sharded, holds_values, shard_parameters
 from simplefsdp.runtime.tensor_parallel import tensor_parallel_mesh
+
+if TYPE_CHECKING:
+    from simplefsdp.passes.install import OverlapPasses
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 COMPILE_OPTIONS = ("fullgraph", "dynamic", "mode", "options", "disable")
@@ -194,4 +199,25 @@ def compile_sharded(
         from simplefsdp.runtime.compile import compile_in_place
         from simplefsdp.runtime.precompile import run_key
         compile_in_place(model, backend, compile_options, run_key(model, requested) if requested else None)
+        if passes and buckets == "auto" and overlap.agree_over and not precompile:
+            plan_per_block_where_first_inputs_differ(model, overlap)
     return model
+
+
+def plan_per_block_where_first_inputs_differ(model: nn.Module, overlap: OverlapPasses) -> None:
+    """At ``model``'s first call, before anything compiles: where the ranks' inputs differ in shape (a sequence length
+    of each rank's own), ``overlap``'s "auto" buckets, priced on each rank's shapes, could differ between ranks, so
+    it plans one bucket per block instead (``"block"``: from the model alone)."""
+    compiled = model._compiled_call_impl
+
+    def first_call(*args: Any, **kwargs: Any) -> Any:
+        model._compiled_call_impl = compiled
+        if not same_input_shapes(args, kwargs, overlap.agree_over):
+            overlap.buckets = "block"
+            if dist.get_rank() == 0:
+                print("simplefsdp: the ranks' first inputs differ in shape, and buckets='auto' prices compute on each "
+                      "rank's shapes: planning buckets='block' instead, the same on every rank", file=sys.stderr,
+                      flush=True)
+        return compiled(*args, **kwargs)
+
+    model._compiled_call_impl = first_call

@@ -166,7 +166,27 @@ def _guard_cases(cache_root: str) -> dict:
     if rank == 1:
         OverlapPasses.plan_buckets = _one_bucket_less
     result["recompiled_on_rank_1"] = _guarded_forward(model, rows=6 if rank == 1 else 4)
+    OverlapPasses.plan_buckets = _plan_buckets
+    result["planned"] = {first_rows: _buckets_planned(first_rows) for first_rows in ((4, 4), (4, 6))}
     return result
+
+
+def _buckets_planned(first_rows: tuple[int, int]) -> list:
+    """The bucket mode each graph of a fresh default model is planned with, where rank r's first input has
+    ``first_rows[r]`` rows."""
+    planned = []
+
+    def recorded(passes: OverlapPasses, schedule):
+        planned.append(passes.buckets)
+        return _plan_buckets(passes, schedule)
+
+    torch._dynamo.reset()
+    OverlapPasses.plan_buckets = recorded
+    try:
+        compile_sharded(_blocks())(torch.randn(first_rows[dist.get_rank()], 16)).sum().backward()
+    finally:
+        OverlapPasses.plan_buckets = _plan_buckets
+    return planned
 
 
 def test_ranks_that_plan_different_collectives_raise_the_same_error(tmp_path):
@@ -199,6 +219,9 @@ def test_ranks_that_plan_different_collectives_raise_the_same_error(tmp_path):
                                   "module=1 on rank 0 "), message
         assert "pass buckets='block' or buckets=None" in message
         assert max(result[case][1] for result in results) < GUARD_SECONDS
+    # "auto" prices compute on each rank's shapes: where the first inputs differ, every rank plans "block" instead
+    for result in results:
+        assert result["planned"] == {(4, 4): ["auto", "auto"], (4, 6): ["block", "block"]}
 
 
 def _evaluate_on_rank_0_of_a_2d_mesh() -> str:

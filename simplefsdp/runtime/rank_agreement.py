@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.fx.node import has_side_effect
+from torch.utils import _pytree as pytree
 
 from simplefsdp.ir.schedule import process_group
 from simplefsdp.ir.signature import lines_by_group, signature_digest
@@ -94,6 +95,15 @@ def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh, arguments
                          "the same arguments on every rank (they decide which collectives every rank issues)")
     raise ValueError(f"the model differs between rank {rank} and rank {first}: {detail}; "
                      "build the same model (same config) on every rank before compile_sharded")
+
+
+def same_input_shapes(args: tuple, kwargs: dict, group_names: Sequence[str]) -> bool:
+    """Whether every rank of the mesh whose dimensions' groups are ``group_names`` calls with inputs of one structure
+    and one shape each: one object all-gather per mesh dimension."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    shapes = repr((spec, [tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]))
+    groups = [process_group(name) for name in group_names]
+    return len(set(gather_over_mesh(shapes, groups).values())) == 1
 
 
 def _first_disagreement(by_rank: Mapping[int, Mapping[tuple[int, ...], Hashable]]
