@@ -140,7 +140,8 @@ def _guard_cases(cache_root: str) -> dict:
     """1. Both ranks plan alike: train 3 steps, then rank 0 alone evaluates. 2. Rank 1 plans one bucket less and
     compiles; rank 0 loads the first case's graphs from its FX graph cache (its passes never run). 3. Both compile,
     rank 1 one bucket less. 4. Both train a step alike; then rank 1 alone meets a new input shape and recompiles, one
-    bucket less, while rank 0 runs the graph it has (a sequence length of each rank's own)."""
+    bucket less, while rank 0 runs the graph it has (a sequence length of each rank's own). 5. Fresh default models
+    whose first inputs have one shape, then two: the bucket mode each graph is planned with."""
     rank = dist.get_rank()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"rank{rank}")  # no rank reads another's plan
     batches = [torch.randn(8, 16, generator=torch.Generator().manual_seed(step)) for step in range(3)]
