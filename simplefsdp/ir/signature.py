@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import re
+from collections import Counter
 from typing import Sequence
 
 from simplefsdp.ir.schedule import Schedule, ScheduleNode
@@ -40,3 +41,12 @@ def lines_by_group(lines: Sequence[str]) -> dict[tuple[int, ...], tuple[str, ...
         ranks = ast.literal_eval(re.search(r" group=(\([\d, ]*\))", line).group(1))
         grouped.setdefault(ranks, []).append(line)
     return {ranks: tuple(group_lines) for ranks, group_lines in grouped.items()}
+
+
+def elements_by_kind(lines: Sequence[str]) -> Counter:
+    """Elements per (kind, dtype) of collective ``lines``: equal where two plans bucket the same collectives."""
+    totals: Counter = Counter()
+    for line in lines:
+        kind, elements, dtype = re.fullmatch(r"(\S+) group=.* elements=(\d+) dtype=(\S+) module=.*", line).groups()
+        totals[kind, dtype] += int(elements)
+    return totals

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
-from collections import Counter
 from typing import Any, Hashable, Mapping, NoReturn, Sequence, TypeVar
 
 import torch
@@ -24,13 +22,13 @@ from torch.fx.node import has_side_effect
 from torch.utils import _pytree as pytree
 
 from simplefsdp.ir.schedule import process_group
-from simplefsdp.ir.signature import lines_by_group, signature_digest
+from simplefsdp.ir.signature import elements_by_kind, lines_by_group, signature_digest
 
 T = TypeVar("T")
 
-# (lines, group names) of the compiled graphs this process has run, each with its mesh dims' process groups and what
-# every call of the graph all-reduces (``_difference_seen``).
-GRAPHS: dict[tuple[str, str], tuple[list[dist.ProcessGroup], list[tuple[dist.ProcessGroup, torch.Tensor]]]] = {}
+# (lines, group names) of the compiled graphs this process has run, each with what every call of the graph
+# all-reduces over each of its mesh dims' process groups (``_difference_seen``).
+GRAPHS: dict[tuple[str, str], list[tuple[dist.ProcessGroup, torch.Tensor]]] = {}
 
 
 def gather_over_mesh(value: T, groups: Sequence[dist.ProcessGroup]) -> dict[int, T]:
@@ -150,15 +148,6 @@ def _difference_seen(pairs: Sequence[tuple[dist.ProcessGroup, torch.Tensor]]) ->
     return seen
 
 
-def _totals(lines: Sequence[str]) -> Counter:
-    """Elements per (kind, dtype) of collective ``lines``: equal where two ranks bucket the same collectives."""
-    totals: Counter = Counter()
-    for line in lines:
-        kind, elements, dtype = re.fullmatch(r"(\S+) group=.* elements=(\d+) dtype=(\S+) module=.*", line).groups()
-        totals[kind, dtype] += int(elements)
-    return totals
-
-
 def raise_for_difference(lines: Sequence[str], groups: Sequence[dist.ProcessGroup]) -> NoReturn:
     """Raise the same ``ValueError`` on every rank of the mesh spanned by ``groups``, each rank running a graph with
     the collective ``lines``, once every rank has seen that they differ: one object all-gather of the lines per mesh
@@ -168,7 +157,7 @@ def raise_for_difference(lines: Sequence[str], groups: Sequence[dist.ProcessGrou
     theirs, reference = everyone[rank].get(group, ()), everyone[first].get(group, ())
     index, detail = _first_difference(theirs, reference, rank, first)
     where = f"collective {index} on process group {group} is {detail} (module: the first module in it)"
-    if _totals(theirs) == _totals(reference):
+    if elements_by_kind(theirs) == elements_by_kind(reference):
         raise ValueError(
             f"ranks planned different buckets for the same collectives: {where}. Running them would hang or exchange "
             "the wrong bytes. buckets='auto' prices compute from each rank's input shapes, so ranks whose inputs "
@@ -191,10 +180,10 @@ def agree_on_collectives(lines: str, group_names: str) -> torch.Tensor:
     Returns an empty tensor for the graph's collectives to depend on."""
     if (lines, group_names) not in GRAPHS:
         groups = [process_group(name) for name in group_names.split(",")]
-        GRAPHS[lines, group_names] = groups, _digest_pairs(lines.split("\n"), groups)
-    groups, pairs = GRAPHS[lines, group_names]
+        GRAPHS[lines, group_names] = _digest_pairs(lines.split("\n"), groups)
+    pairs = GRAPHS[lines, group_names]
     if _difference_seen(pairs):
-        raise_for_difference(lines.split("\n"), groups)
+        raise_for_difference(lines.split("\n"), [group for group, _ in pairs])
     return torch.empty(0)
 
 
