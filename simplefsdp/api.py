@@ -208,6 +208,7 @@ def plan_per_block_where_first_inputs_differ(model: nn.Module, overlap: OverlapP
     """At ``model``'s first call, before anything compiles: where the ranks' inputs differ in shape (a sequence length
     of each rank's own), ``overlap``'s "auto" buckets, priced on each rank's shapes, could differ between ranks, so
     it plans one bucket per block instead (``"block"``: from the model alone)."""
+    from simplefsdp.runtime.compile import set_compiled_call
     compiled = model._compiled_call_impl
 
     def first_call(*args: Any, **kwargs: Any) -> Any:
@@ -220,4 +221,4 @@ def plan_per_block_where_first_inputs_differ(model: nn.Module, overlap: OverlapP
                       flush=True)
         return compiled(*args, **kwargs)
 
-    model._compiled_call_impl = first_call
+    set_compiled_call(model, first_call)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
@@ -19,6 +21,7 @@ from simplefsdp.models.llama import build_model
 from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.runtime.fake_world import fake_world as world_of
 from simplefsdp.runtime.sharding import distribute
+from ranks import run_on_ranks
 from scenarios import TwoLinears
 
 
@@ -139,3 +142,36 @@ def test_every_model_compiles_past_dynamos_per_code_limit(fake_world):
         model = compile_sharded(TwoLinears(), backend="eager")
         model(torch.randn(2, 8))
     assert counters["stats"]["unique_graphs"] - before == 10
+
+
+def _losses_called_three_ways() -> dict[str, list[float]]:
+    """Losses of 3 AdamW steps of the debug model (blocks compiled once, the default), called plainly, through
+    ``torch.compile(model)``, and from a ``torch.compile``'d function; the loss is computed outside the compiled code."""
+    def train(wrap_model, wrap_call) -> list[float]:
+        torch.manual_seed(0)
+        model = wrap_model(compile_sharded(build_model("debug")))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        call = wrap_call(lambda tokens: model(tokens[:, :-1]))
+        tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(dist.get_rank()))
+        losses = []
+        for _ in range(3):
+            loss = F.cross_entropy(call(tokens).flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def same(fn):
+        return fn
+
+    return {"plain": train(same, same), "compiled model": train(torch.compile, same),
+            "compiled function": train(same, torch.compile)}
+
+
+def test_an_outer_torch_compile_runs_the_sharded_models_own_graphs():
+    """FSDP2 users write ``torch.compile(model)`` after sharding. Dynamo breaks its graph at the sharded model's call
+    and runs our compiled graphs (before, it traced the model again and failed on the blocks' regions): the same
+    kernels on the same inputs, so bitwise the same losses."""
+    for losses in run_on_ranks(2, _losses_called_three_ways):
+        assert losses["compiled model"] == losses["plain"] and losses["compiled function"] == losses["plain"], losses

@@ -49,10 +49,21 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
         backend = InductorOncePerHost(options.pop("mode", None), options.pop("options", None), options.get("dynamic"))
     if precompile_run is not None:
         from simplefsdp.runtime.precompile import PrecompiledCall
-        module._compiled_call_impl = PrecompiledCall(module, backend, precompile_run)
+        set_compiled_call(module, PrecompiledCall(module, backend, precompile_run))
         return
     compiled = _refuse_eager_past_the_recompile_limit(torch.compile(sharded_call, backend=backend, **options))
-    module._compiled_call_impl = _warn_on_graph_breaks(compiled, type(module).__name__)
+    set_compiled_call(module, _warn_on_graph_breaks(compiled, type(module).__name__))
+
+
+def set_compiled_call(module: nn.Module, call: Callable) -> None:
+    """Make ``module(...)`` run ``call``, also inside an outer ``torch.compile`` (of the model, as FSDP2 users write
+    after ``fully_shard``, or of a function calling it): Dynamo breaks its graph there and runs ``call``, our compiled
+    graphs, instead of tracing the sharded model again without our passes and rank guard."""
+    module._compiled_call_impl = torch.compiler.disable(
+        call, reason="compile_sharded compiled this model already; an outer torch.compile runs its graphs as they are, "
+        "which fullgraph=True forbids: drop fullgraph=True there, or the outer torch.compile")
+    # Dynamo inlines a module's forward, skipping _compiled_call_impl, unless the module holds a forward of its own
+    module.forward = module.forward
 
 
 def _refuse_eager_past_the_recompile_limit(compiled: Callable) -> Callable:
