@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -144,9 +145,10 @@ def test_every_model_compiles_past_dynamos_per_code_limit(fake_world):
     assert counters["stats"]["unique_graphs"] - before == 10
 
 
-def _losses_called_three_ways() -> dict[str, list[float]]:
+def _losses_called_four_ways() -> dict[str, list[float]]:
     """Losses of 3 AdamW steps of the debug model (blocks compiled once, the default), called plainly, through
-    ``torch.compile(model)``, and from a ``torch.compile``'d function; the loss is computed outside the compiled code."""
+    ``torch.compile(model)``, after ``model.compile()``, and from a ``torch.compile``'d function; the loss is computed
+    outside the compiled code."""
     def train(wrap_model, wrap_call) -> list[float]:
         torch.manual_seed(0)
         model = wrap_model(compile_sharded(build_model("debug")))
@@ -165,13 +167,23 @@ def _losses_called_three_ways() -> dict[str, list[float]]:
     def same(fn):
         return fn
 
+    def compile_in_place(model):
+        model.compile()
+        return model
+
     return {"plain": train(same, same), "compiled model": train(torch.compile, same),
-            "compiled function": train(same, torch.compile)}
+            "model.compile()": train(compile_in_place, same), "compiled function": train(same, torch.compile)}
 
 
 def test_an_outer_torch_compile_runs_the_sharded_models_own_graphs():
-    """FSDP2 users write ``torch.compile(model)`` after sharding. Dynamo breaks its graph at the sharded model's call
-    and runs our compiled graphs (before, it traced the model again and failed on the blocks' regions): the same
-    kernels on the same inputs, so bitwise the same losses."""
-    for losses in run_on_ranks(2, _losses_called_three_ways):
-        assert losses["compiled model"] == losses["plain"] and losses["compiled function"] == losses["plain"], losses
+    """FSDP2 users write ``torch.compile(model)`` or ``model.compile()`` after sharding. Dynamo breaks its graph at
+    the sharded model's call and runs our compiled graphs, which ``model.compile()`` keeps (before, both traced the
+    model again and failed on the blocks' regions): the same kernels on the same inputs, so bitwise the same losses."""
+    for losses in run_on_ranks(2, _losses_called_four_ways):
+        assert all(losses[way] == losses["plain"] for way in losses), losses
+
+
+def test_model_compile_with_arguments_says_they_apply_to_nothing(fake_world):
+    model = compile_sharded(TwoLinears(), backend="eager")
+    with pytest.warns(UserWarning, match=r"TwoLinears.compile\(...\) keeps the graphs compile_sharded compiled"):
+        model.compile(mode="max-autotune")
