@@ -20,6 +20,7 @@ from simplefsdp import compile_sharded
 from simplefsdp.ir.hardware import local_profile
 from simplefsdp.models.llama import build_model
 from simplefsdp.passes.install import OverlapPasses
+from simplefsdp.runtime import rank_agreement
 from simplefsdp.runtime.fake_world import fake_world as world_of
 from simplefsdp.runtime.sharding import distribute
 from ranks import run_on_ranks
@@ -145,24 +146,29 @@ def test_every_model_compiles_past_dynamos_per_code_limit(fake_world):
     assert counters["stats"]["unique_graphs"] - before == 10
 
 
-def _losses_called_four_ways() -> dict[str, list[float]]:
+def _losses_and_guard_checks_called_four_ways() -> dict[str, tuple[list[float], int]]:
     """Losses of 3 AdamW steps of the debug model (blocks compiled once, the default), called plainly, through
-    ``torch.compile(model)``, after ``model.compile()``, and from a ``torch.compile``'d function; the loss is computed
-    outside the compiled code."""
-    def train(wrap_model, wrap_call) -> list[float]:
+    ``torch.compile(model)``, after ``model.compile()``, and from a ``torch.compile``'d function (the loss computed
+    outside the compiled code); and how many times graphs our passes compiled ran (each checks, by the rank guard's
+    ``_difference_seen``, that the ranks run the same collectives)."""
+    checks = []
+    difference_seen = rank_agreement._difference_seen
+    rank_agreement._difference_seen = lambda pairs: checks.append(pairs) or difference_seen(pairs)
+
+    def train(wrap_model, wrap_call) -> tuple[list[float], int]:
         torch.manual_seed(0)
         model = wrap_model(compile_sharded(build_model("debug")))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         call = wrap_call(lambda tokens: model(tokens[:, :-1]))
         tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(dist.get_rank()))
-        losses = []
+        losses, checks_before = [], len(checks)
         for _ in range(3):
             loss = F.cross_entropy(call(tokens).flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
-        return losses
+        return losses, len(checks) - checks_before
 
     def same(fn):
         return fn
@@ -178,9 +184,11 @@ def _losses_called_four_ways() -> dict[str, list[float]]:
 def test_an_outer_torch_compile_runs_the_sharded_models_own_graphs():
     """FSDP2 users write ``torch.compile(model)`` or ``model.compile()`` after sharding. Dynamo breaks its graph at
     the sharded model's call and runs our compiled graphs, which ``model.compile()`` keeps (before, both traced the
-    model again and failed on the blocks' regions): the same kernels on the same inputs, so bitwise the same losses."""
-    for losses in run_on_ranks(2, _losses_called_four_ways):
-        assert all(losses[way] == losses["plain"] for way in losses), losses
+    model again and failed on the blocks' regions): the guard of our passes runs in each forward and backward, and
+    the same kernels on the same inputs give bitwise the same losses."""
+    for results in run_on_ranks(2, _losses_and_guard_checks_called_four_ways):
+        assert results["plain"][1] == 3 * 2, results  # a forward and a backward graph a step
+        assert all(result == results["plain"] for result in results.values()), results
 
 
 def test_model_compile_with_arguments_says_they_apply_to_nothing(fake_world):
