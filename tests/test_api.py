@@ -195,3 +195,38 @@ def test_model_compile_with_arguments_says_they_apply_to_nothing(fake_world):
     model = compile_sharded(TwoLinears(), backend="eager")
     with pytest.warns(UserWarning, match=r"TwoLinears.compile\(...\) keeps the graphs compile_sharded compiled"):
         model.compile(mode="max-autotune")
+
+
+def _parameter_reads_outside_the_forward(compile: bool) -> dict:
+    """A two-linear model on this rank, read outside its forward as FSDP2 users do: one rank alone reads a shape,
+    every rank zeroes the last layer in place and freezes the first; then a forward and backward."""
+    torch.manual_seed(0)
+    model = compile_sharded(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), compile=compile)
+    counter = CollectiveCounter()
+    with counter:
+        read = model[2].weight
+        found = model.get_parameter("2.weight")  # nn.Module's own lookup, which insists on an nn.Parameter
+        if dist.get_rank() == 0:
+            _ = model[0].weight.shape  # on rank 0 alone: with a gather here, gloo aborted on a collective mismatch
+        with torch.no_grad():
+            model[2].weight.zero_()
+            model[2].bias.zero_()
+        model[0].weight.requires_grad_(False)
+    output = model(torch.randn(4, 8))
+    output.sum().backward()
+    parameter = dict(model.named_parameters())["2.weight"]
+    return {"collectives": counter.count, "the parameter": read is found is parameter, "output": output.detach(),
+            "frozen grad": model[0].weight.grad, "last grad": model[2].weight.grad is not None}
+
+
+@pytest.mark.parametrize("compile", [True, False], ids=["inductor", "eager"])
+def test_outside_the_forward_a_parameter_attribute_is_the_sharded_parameter(compile):
+    """As with FSDP2, outside the forward ``module.weight`` is the sharded DTensor parameter, not a gather: a read on
+    one rank issues no collective (before, gloo aborted the job on the mismatch and NCCL would hang), an in-place
+    write reaches the parameter (before, it changed a gathered copy: the model silently kept its weights), and
+    ``requires_grad_`` and ``get_parameter`` work on it (before, both raised)."""
+    for result in run_on_ranks(2, _parameter_reads_outside_the_forward, compile):
+        assert result["collectives"] == 0 and result["the parameter"], result
+        # the last layer is all zeros, so its output is exactly zero: 0 * x and sums of zeros round to nothing
+        assert torch.equal(result["output"], torch.zeros(4, 4)), result
+        assert result["frozen grad"] is None and result["last grad"], result

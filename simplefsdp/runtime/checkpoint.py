@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from simplefsdp.runtime.quantize import error_feedback_state
-from simplefsdp.runtime.replicate_compute import stored_parameters
 
 _COMPLETE = re.compile(r"^step-(\d+)$")
 
@@ -51,8 +50,7 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    with stored_parameters(model):
-        model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state, "step": step, "errors": error_feedback_state(model)},
              checkpoint_id=partial)
     if is_writer:  # the complete checkpoint replaces one of the same step
@@ -75,16 +73,15 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata file); pass a step-* directory")
-    with stored_parameters(model):
-        model_state = get_model_state_dict(model)
-        check_compatible(path, model_state)
-        state = {"model": model_state, "step": -1, "errors": loadable_errors(path, error_feedback_state(model))}
-        if optimizer is not None:
-            state["optim"] = get_optimizer_state_dict(model, optimizer)
-        dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(model, state["model"])
-        if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, state["optim"])
+    model_state = get_model_state_dict(model)
+    check_compatible(path, model_state)
+    state = {"model": model_state, "step": -1, "errors": loadable_errors(path, error_feedback_state(model))}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
     return state["step"]
 
 

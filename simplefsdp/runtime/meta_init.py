@@ -18,7 +18,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.overrides import TorchFunctionMode
 
 from simplefsdp.runtime.quantize import materialize_error_buffers
-from simplefsdp.runtime.replicate_compute import stored_parameters
 
 RANDOM_FILLS = {
     torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.random_, torch.Tensor.bernoulli_,
@@ -39,7 +38,7 @@ def materialize_sharded(model: nn.Module, init_fn: Callable[[], None] | None = N
         raise ValueError(f"{type(model).__name__} has no init_weights(); pass init_fn=... that initializes it in place")
     model.to_empty(device=params[0].device_mesh.device_type)
     materialize_error_buffers(model, params[0].device_mesh.device_type)
-    with torch.no_grad(), stored_parameters(model), _init_functions_on_full_tensors(), _FullRandomFills():
+    with torch.no_grad(), _init_functions_on_full_tensors(), _FullRandomFills():
         init_fn()
     return model
 

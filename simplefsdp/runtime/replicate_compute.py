@@ -1,7 +1,9 @@
 """The replicate-for-compute getter: how the forward reads a sharded parameter.
 
-Reading ``module.weight`` gathers the DTensor shard into a full local tensor (all-gather for ``Shard``, nothing for
-``Replicate``), cast to the compute dtype; a tensor-parallel parameter is gathered over dp only, into TP's own
+In the forward, reading ``module.weight`` gathers the DTensor shard into a full local tensor (all-gather for
+``Shard``, nothing for ``Replicate``), cast to the compute dtype; outside any module's call it is the sharded DTensor
+parameter itself, as with FSDP2, so that a read on one rank issues no collective and an in-place write reaches the
+parameter; a tensor-parallel parameter is gathered over dp only, into TP's own
 DTensor. Its backward turns the local gradient into a ``Partial("avg")`` DTensor and reduces it back to the
 parameter's placement: reduce-scatter, all-reduce, or both. With gradient sync off (``grad_sync.py``) the gradient
 goes to an accumulator instead. Within one compiled call of the root module a tied parameter is gathered once, however
@@ -10,11 +12,11 @@ many modules read it: one gather and one reduction.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
+import sys
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
@@ -151,8 +153,9 @@ class ReplicateComputation:
 
 def install_getters(module: nn.Module, keys: dict[str, int], accumulators: dict[str, torch.Tensor],
                     errors: dict[str, torch.Tensor | None], replicate: ReplicateComputation) -> None:
-    """Make ``module.<name>`` return ``replicate(module._parameters[name], accumulators[name], errors[name])``, once
-    per root call for each parameter key (``keys[name]``, shared by a tied parameter's modules).
+    """Make ``module.<name>`` return ``replicate(module._parameters[name], accumulators[name], errors[name])`` in the
+    forward, once per root call for each parameter key (``keys[name]``, shared by a tied parameter's modules), and
+    the sharded parameter outside it (``_gathers_on_read``).
 
     By a subclass with one property per name, so ``state_dict`` and ``named_parameters`` still see the shards."""
     module._gather_keys, module._grad_accumulators, module._error_feedback = keys, accumulators, errors
@@ -162,7 +165,23 @@ def install_getters(module: nn.Module, keys: dict[str, int], accumulators: dict[
     module.__class__ = type(f"Sharded{cls.__name__}", (cls,), getters)
 
 
+_MODULE_CALL = nn.Module._call_impl.__code__  # private: the frame every module call (hooks, forward) runs in
+
+
+def _gathers_on_read() -> bool:
+    """Whether a parameter read now is the forward's: traced by Dynamo, inside a module's call (the root's, a block
+    called alone, one a graph break runs eagerly), or in a backward (eager checkpointing runs a forward again)."""
+    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() != -1:  # private: -1 outside a backward
+        return True
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code is not _MODULE_CALL:
+        frame = frame.f_back
+    return frame is not None
+
+
 def _read_parameter(module: nn.Module, name: str, replicate: ReplicateComputation) -> torch.Tensor:
+    if not _gathers_on_read():
+        return module._parameters[name]
     gathered = replicate.gathers.gathered
     if gathered is not None and module._gather_keys[name] in gathered:
         return gathered[module._gather_keys[name]]
@@ -200,17 +219,3 @@ def reduce_pending(replicate: ReplicateComputation, module: nn.Module, name: str
     param = module._parameters[name]
     reduced = replicate.reduce(param, pending, module._error_feedback[name])
     param.grad = reduced if param.grad is None else param.grad + reduced
-
-
-@contextlib.contextmanager
-def stored_parameters(model: nn.Module) -> Iterator[None]:
-    """Inside, ``module.<name>`` is the sharded parameter itself, not a gather (for DCP's ``state_dict`` and others
-    that walk attributes, where every read through a getter would all-gather)."""
-    swapped = [(module, module.__class__) for module in model.modules() if "_class_without_getters" in vars(module)]
-    for module, _ in swapped:
-        module.__class__ = module._class_without_getters
-    try:
-        yield
-    finally:
-        for module, cls in swapped:
-            module.__class__ = cls
