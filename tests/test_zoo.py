@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ranks import run_on_ranks
-from scenarios import relative_difference
+from scenarios import gamma, relative_difference
 from simplefsdp import Quantize, compile_sharded
 from simplefsdp.runtime.quantize import error_feedback_state
 from zoo import ZOO, ZOO_BOUND, build, zoo_update_bound
@@ -67,8 +67,12 @@ def _train_the_zoo() -> dict[str, dict]:
     rank, ranks = dist.get_rank(), dist.get_world_size()
     results = {}
     for name, entry in ZOO.items():
-        losses, params = _train(name, compile_sharded(build(name)), rank, ranks)
+        model = compile_sharded(build(name))
+        losses, params = _train(name, model, rank, ranks)
         results[name] = {"losses": losses, "params": params}
+        if name == "lora_llama":  # after training, as peft users merge the adapters to save the model
+            merged = model.merge_and_unload()
+            results[name]["merged"] = {key: p.full_tensor() for key, p in merged.named_parameters()}
         if entry.reference == "ddp":
             ddp = DistributedDataParallel(build(name), broadcast_buffers=False)
             ddp_losses, ddp_params = _train(name, ddp, rank, ranks)
@@ -137,3 +141,23 @@ def test_tied_gpt2_matches_full_precision_with_int8_communication_as_closely_as_
         # LoRA's frozen base weights exchange no gradient: only the adapters have error buffers
         assert result["lora_llama"]["error_feedback"].keys() == {
             key for key, p in build("lora_llama").named_parameters() if p.requires_grad}
+
+
+def test_peft_merges_trained_adapters_into_the_sharded_base_weights(per_rank):
+    """peft's ``merge_and_unload()`` on the trained sharded model adds each adapter to its base weight, W + s B A, as
+    unsharded (before, it read gathered copies and merged into them: the model it returned kept W alone, silently).
+    Both sides compute each of B A's elements as one sum of r = 3 products and add it to W: within gamma_4 of
+    |W| + s |B| |A| either way (Higham, Theorem 3.5), far below s |B A|."""
+    prefix = "base_model.model."
+    for result in per_rank:
+        trained, merged = result["lora_llama"]["params"], result["lora_llama"]["merged"]
+        adapted = [key.removesuffix(".base_layer.weight") for key in trained if key.endswith(".base_layer.weight")]
+        assert len(adapted) == 2, adapted  # q_proj and v_proj of the one layer
+        for module in adapted:
+            weight, down, up = (trained[f"{module}.{part}"] for part in
+                                ("base_layer.weight", "lora_A.default.weight", "lora_B.default.weight"))
+            scale = 6 / 3  # lora_alpha / r
+            bound = 2 * gamma(4) * (weight.abs() + scale * up.abs() @ down.abs())
+            difference = (merged[f"{module.removeprefix(prefix)}.weight"] - (weight + scale * up @ down)).abs()
+            assert (difference <= bound).all(), (module, difference.max())
+            assert (scale * up @ down).abs().max() > 100 * bound.max(), module  # the check can tell merged from not
