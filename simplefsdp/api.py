@@ -14,7 +14,7 @@ from simplefsdp.passes.bucket_plan import BucketMode, find_blocks
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import checkpoint_hugging_face_layers_fully
 from simplefsdp.runtime.agreed_profile import agreed_profile
-from simplefsdp.runtime.block_regions import block_regions_refusal
+from simplefsdp.runtime.block_regions import block_regions_refusal, distinct_blocks
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
@@ -62,10 +62,12 @@ DYNAMIC_REGIONS = ("compile_blocks_once with dynamic=True fails in torch 2.13's 
 
 
 def blocks_once_by_default(model: nn.Module, blocks: tuple[str, ...], tensor_parallel: bool, dynamic: bool) -> bool:
-    """Whether ``compile_blocks_once=None`` compiles ``model``'s ``blocks`` once: where there are repeats, and neither
-    tensor parallelism, ``dynamic=True`` nor a block's forward of its own rules it out. A fact of the model and the
-    arguments, so the same on every rank."""
-    return len(blocks) > 1 and not tensor_parallel and not dynamic and block_regions_refusal(model, blocks) is None
+    """Whether ``compile_blocks_once=None`` compiles ``model``'s ``blocks`` once: where two blocks are alike (a region
+    of blocks that differ in a setting, as Hugging Face's ``layer_idx``, is traced for each: slower than the whole
+    graph), and neither tensor parallelism, ``dynamic=True`` nor a refusal (``block_regions_refusal``) rules it out.
+    A fact of the model and the arguments, so the same on every rank."""
+    return (not tensor_parallel and not dynamic and distinct_blocks(model, blocks) < len(blocks)
+            and block_regions_refusal(model, blocks) is None)
 
 
 def compile_sharded(
@@ -156,8 +158,12 @@ def compile_sharded(
     block_fqns = find_blocks(model) if blocks is None else tuple(blocks)
     strict_regions = compile_blocks_once is not None
     if compile_blocks_once is None:
-        compile_blocks_once = compile and backend == "inductor" and blocks_once_by_default(
+        by_default = compile and backend == "inductor"
+        compile_blocks_once = by_default and blocks_once_by_default(
             model, block_fqns, tp_mesh is not None, bool(compile_options.get("dynamic")))
+        if by_default and not compile_blocks_once and len(block_fqns) > 1 and (
+                refusal := block_regions_refusal(model, block_fqns)):
+            say(f"compiling the whole graph, not each distinct block once: {refusal}")
     elif compile_blocks_once and (refusal := block_regions_refusal(model, block_fqns)):
         raise ValueError(refusal)
     values = holds_values(model)
@@ -174,6 +180,7 @@ def compile_sharded(
         compile_options = inductor_options(overlap, compile_options)
         if precompile:  # a precompiled graph holds the plan, which follows rank 0's hardware profile of this run
             requested += overlap.uuid().hex()
+    whole_graph_options = compile_options
     if compile_blocks_once and backend == "inductor":
         from simplefsdp.passes.region_inputs import RecomputeRegionInputs
         # Inductor 2.13 reuses a buffer that a later block's region call still reads: wrong norm gradients
@@ -193,12 +200,16 @@ def compile_sharded(
     checkpoint_hugging_face_layers_fully(model)  # before regions copy the blocks
     if compile_blocks_once:  # the blocks found before sharding, which gives each module a class of its own
         from simplefsdp.runtime.block_regions import install_block_regions
-        install_block_regions(model, block_fqns, replicate, gathers_in_region=backend == "inductor",
-                              strict=strict_regions)
+        uninstall_regions = install_block_regions(model, block_fqns, replicate,
+                                                  gathers_in_region=backend == "inductor", strict=strict_regions)
     if compile:
         from simplefsdp.runtime.compile import compile_in_place
         from simplefsdp.runtime.precompile import run_key
         compile_in_place(model, backend, compile_options, run_key(model, requested) if requested else None)
+        if compile_blocks_once and not strict_regions and not precompile:
+            from simplefsdp.runtime.block_regions import whole_graph_where_regions_fail
+            whole_graph_where_regions_fail(model, uninstall_regions, functools.partial(
+                compile_in_place, model, backend, whole_graph_options), say)
         if passes and buckets == "auto" and overlap.agree_over and not precompile:
             plan_per_block_where_first_inputs_differ(model, overlap)
     return model
@@ -215,10 +226,14 @@ def plan_per_block_where_first_inputs_differ(model: nn.Module, overlap: OverlapP
         model._compiled_call_impl = compiled
         if not same_input_shapes(args, kwargs, overlap.agree_over):
             overlap.buckets = "block"
-            if dist.get_rank() == 0:
-                print("simplefsdp: the ranks' first inputs differ in shape, and buckets='auto' prices compute on each "
-                      "rank's shapes: planning buckets='block' instead, the same on every rank", file=sys.stderr,
-                      flush=True)
+            say("the ranks' first inputs differ in shape, and buckets='auto' prices compute on each rank's shapes: "
+                "planning buckets='block' instead, the same on every rank")
         return compiled(*args, **kwargs)
 
     set_compiled_call(model, first_call)
+
+
+def say(message: str) -> None:
+    """Print what a default did instead, once: on global rank 0 (or a process without a process group)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"simplefsdp: {message}", file=sys.stderr, flush=True)

@@ -36,14 +36,16 @@ from simplefsdp.runtime.replicate_compute import ReplicateComputation
 
 
 def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: ReplicateComputation,
-                          gathers_in_region: bool, strict: bool) -> None:
+                          gathers_in_region: bool, strict: bool) -> Callable[[], None]:
     """Run each of ``model``'s ``blocks`` (FQNs, sharded by ``shard_parameters``) as gathers, then one shared region
     per distinct block (not tensor-parallel ones: a region takes plain tensors, not DTensors). With
     ``gathers_in_region`` the gathers run in a region of their own, which the backend inlines
     (``ir.capture.compiling_regions``): traced once, they land in the outer graph as if traced per block. A call that
     a region cannot run (modules in both modes, arguments other than tensors and constants) raises if ``strict``, and
-    else runs the block's own forward, which gathers each parameter as it reads it."""
+    else runs the block's own forward, which gathers each parameter as it reads it. Returns a function that puts
+    the blocks' forwards back."""
     regions: dict[tuple, dict[bool, Callable]] = {}
+    replaced: dict[nn.Module, Callable | None] = {}  # each block's forward of its own, if any
 
     def gather(*params):
         # A region may not return a view of its input, as a gather without an all-gather is (one rank, a replicated
@@ -63,12 +65,31 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
                      tuple((tensor.shape, tensor.stride(), tensor.dtype) for tensor in tensors),
                      checkpointing)
         if signature not in regions:
-            regions[signature] = {training: _region(_template(block).train(training), names, checkpointing)
+            regions[signature] = {training: _region(_template(block).train(training), names, checkpointing,
+                                                    f"{len(regions)}_{'train' if training else 'eval'}")
                                   for training in (True, False)}
         own_forward = None if strict else block.forward
+        replaced[block] = vars(block).get("forward")
         block.forward = functools.partial(_run_block, fqn, tuple(block.modules()), [read[1:] for read in reads],
                                           [buffer for _, buffer in buffers], replicate, gather_region,
                                           regions[signature], own_forward)
+
+    def uninstall() -> None:
+        for block, forward in replaced.items():
+            if forward is None:
+                del block.forward
+            else:
+                block.forward = forward
+
+    return uninstall
+
+
+def distinct_blocks(model: nn.Module, blocks: tuple[str, ...]) -> int:
+    """How many of ``model``'s ``blocks`` differ in structure (``_structure``) or in their tensors' names, shapes and
+    dtypes: each would be traced as a region of its own."""
+    return len({(_structure(block), tuple((name, tensor.shape, tensor.dtype) for name, tensor in
+                                         itertools.chain(block.named_parameters(), block.named_buffers())))
+                for block in map(model.get_submodule, blocks)})
 
 
 def _structure(block: nn.Module) -> tuple:
@@ -112,7 +133,7 @@ def _checkpoint_options(block: nn.Module) -> tuple | None:
     return None if forward is None else tuple(sorted(forward.keywords.items()))
 
 
-def _region(template: nn.Module, names: list[str], checkpointing: tuple | None) -> Callable:
+def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, name: str) -> Callable:
     """A call of the nested compile region that runs ``template`` on given tensors (``names``' values, the first
     positional arguments) and the block's own arguments, inside ``checkpoint`` with ``checkpointing``'s options if not
     None; it returns the block's output.
@@ -140,6 +161,9 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None) 
                                                          for leaf in leaves]
         return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
+    # Dynamo counts a region's traced variants (at most 8) per code, compared by value: a code of its own per region
+    # (its name) lets a model hold more distinct blocks than that (Hugging Face's, each with its own layer_idx)
+    compute.__code__ = compute.__code__.replace(co_name=f"compute_{name}")
     structures: dict[int, tuple] = {}  # per reuse key, an output with other leaves: its spec, its constants boxed
     region_id = id(template)
 
@@ -206,9 +230,20 @@ def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Mo
 
 def block_regions_refusal(model: nn.Module, blocks: tuple[str, ...]) -> str | None:
     """Why ``install_block_regions`` would not run ``blocks`` (a sentence naming the fix), or None: a block's forward
-    replaced on the instance by anything but a checkpoint of its own (``apply_activation_checkpointing``'s)."""
+    replaced on the instance by anything but a checkpoint of its own (``apply_activation_checkpointing``'s); a complex
+    parameter or buffer (torch 2.13's regions have no kernel for the conjugate bit); a block's batch norm that tracks
+    running statistics (its regions refuse buffers updated in place in training)."""
+    if complex_tensor := next((name for name, tensor in itertools.chain(model.named_parameters(),
+                                                                        model.named_buffers()) if tensor.is_complex()),
+                              None):
+        return (f"compile_blocks_once cannot pass complex tensors to a region in torch 2.13; {complex_tensor!r} is "
+                "complex: keep it real (torch.view_as_real), or pass compile_blocks_once=False")
     for fqn in blocks:
         block = model.get_submodule(fqn)
+        if norm := next((name for name, module in block.named_modules()
+                         if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats), None):
+            return (f"compile_blocks_once cannot train a block that updates its buffers in place in torch 2.13; "
+                    f"{f'{fqn}.{norm}'.rstrip('.')!r} tracks running statistics: pass compile_blocks_once=False")
         forward = vars(block).get("forward")
         own = (isinstance(forward, functools.partial) and forward.func is checkpoint and len(forward.args) == 1
                and getattr(forward.args[0], "__self__", None) is block
@@ -218,3 +253,39 @@ def block_regions_refusal(model: nn.Module, blocks: tuple[str, ...]) -> str | No
                     f"({forward!r}): make it a method of the class, checkpoint the block with "
                     "apply_activation_checkpointing, or pass compile_blocks_once=False")
     return None
+
+
+def whole_graph_where_regions_fail(model: nn.Module, uninstall: Callable[[], None],
+                                   compile_whole_graph: Callable[[], None], say: Callable[[str], None]) -> None:
+    """Make a call of ``model`` (compiled with regions by default) whose compile fails in Dynamo, AOTAutograd or
+    Inductor ``uninstall`` the regions, ``compile_whole_graph`` and run that, saying so once. Compiles fail alike on
+    every rank (the same graph, the same torch), so every rank steps back at the same call."""
+    from simplefsdp.runtime.compile import set_compiled_call
+    compiled = model._compiled_call_impl
+
+    def call(*args, **kwargs):
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as error:
+            if (reason := _compiler_failure(error)) is None:
+                raise
+        uninstall()
+        compile_whole_graph()
+        say(f"compile_blocks_once could not compile this model's blocks as regions ({reason[:300]}); compiling the "
+            "whole graph instead. Pass compile_blocks_once=False to skip the attempt.")
+        return model._compiled_call_impl(*args, **kwargs)
+
+    set_compiled_call(model, call)
+
+
+def _compiler_failure(error: BaseException) -> str | None:
+    """The first line of the innermost error (``type: message``) where ``error``, or one it was raised from, is
+    Dynamo's or Inductor's (they wrap AOTAutograd's); else None."""
+    compiler, innermost = False, error
+    while innermost is not None:
+        compiler = compiler or type(innermost).__module__.startswith(("torch._dynamo", "torch._inductor"))
+        error, innermost = innermost, getattr(innermost, "inner_exception", None) or innermost.__cause__
+    if not compiler:
+        return None
+    line = next((line for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {line}"

@@ -1,0 +1,98 @@
+"""A default that cannot run a model steps back to the path that works, saying so in one line; asked for explicitly,
+the same thing is an error that names the fix. ``compile_blocks_once=None`` here; the zoo (``test_zoo``) trains the
+models of issue 62 at real depth under every default."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import simplefsdp
+from ranks import run_on_ranks
+from simplefsdp.runtime.block_regions import _run_block
+from zoo import ComplexRotaryLlama, ResNet
+
+
+class RunningSumBlock(nn.Module):
+    """Scales its input; adds the input's values to a buffer in place, which torch 2.13's regions refuse in training
+    (found only when AOTAutograd traces the region: no refusal of ours sees it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(8))
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(x.detach().sum())
+        return x * self.scale
+
+
+def _compiles_blocks_once(model: nn.Module) -> bool:
+    return any(isinstance(vars(module).get("forward"), functools.partial) and module.forward.func is _run_block
+               for module in model.modules())
+
+
+def _step_back_on_a_failed_region() -> dict:
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(RunningSumBlock(), RunningSumBlock())
+    reference = nn.Sequential(RunningSumBlock(), RunningSumBlock())
+    reference.load_state_dict(model.state_dict())
+    simplefsdp.compile_sharded(model)
+    regions_installed = _compiles_blocks_once(model)
+    x = torch.ones(2, 8, requires_grad=True)  # whole numbers: the buffers' sums are exact; an input that requires
+    # grad makes the region one of training
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        output = model(x[rank:rank + 1].detach().requires_grad_())
+    output.sum().backward()
+    expected = reference(x.detach().requires_grad_())
+    expected.sum().backward()
+    model(x[rank:rank + 1].detach().requires_grad_())  # a second call runs the whole graph, and says nothing
+    return {"installed": regions_installed, "after": _compiles_blocks_once(model), "said": said.getvalue(),
+            "output": torch.equal(output, expected[rank:rank + 1]),
+            "grads": all(torch.equal(p.grad.full_tensor() * 2, q.grad)  # the ranks' mean of sums, the whole batch's sum
+                         for p, q in zip(model.parameters(), reference.parameters())),
+            "seen": [block.seen.item() for block in model.children()]}
+
+
+def test_a_region_torch_cannot_build_steps_back_to_the_whole_graph_on_every_rank():
+    """Blocks alike, so regions by default; AOTAutograd refuses the region (a buffer updated in place): every rank
+    compiles the whole graph instead and runs the call, rank 0 saying so once. The step is exact: an elementwise
+    product, and each gradient the mean of two ranks' one-row contributions (one fp32 add and a halving, exact; the
+    reference's the add alone). The
+    failed attempt ran nothing: the first block's buffer summed its two calls' inputs, 8 ones each, not more."""
+    for rank, result in enumerate(run_on_ranks(2, _step_back_on_a_failed_region)):
+        assert result["installed"] and not result["after"], result
+        assert result["output"] and result["grads"], result
+        assert result["seen"][0] == 16.0, result
+        lines = result["said"].splitlines()
+        if rank == 0:
+            assert len(lines) == 1 and "compiling the whole graph instead" in lines[0], lines
+            assert "in-place" in lines[0], lines  # torch's reason, in its first line
+        else:
+            assert lines == [], lines
+
+
+@pytest.mark.parametrize("build, reason", [
+    (lambda: ComplexRotaryLlama(layers=2), "'freqs_cis' is complex"),
+    (lambda: ResNet(layers=2), "'layers.0.bn1' tracks running statistics"),
+])
+def test_what_regions_cannot_run_is_the_whole_graph_by_default_and_an_error_when_asked(fake_world, capfd, build,
+                                                                                       reason):
+    """Complex tensors and batch norms in training fail in torch 2.13's regions (issue 62): by default the model is
+    compiled as a whole graph, with one line saying why; ``compile_blocks_once=True`` raises before any collective,
+    its last line naming the fix."""
+    model = simplefsdp.compile_sharded(build())
+    assert not _compiles_blocks_once(model)
+    said = capfd.readouterr().err.splitlines()
+    assert [line for line in said if line.startswith("simplefsdp:")] == [
+        line for line in said if reason in line and "compiling the whole graph" in line], said
+    with pytest.raises(ValueError, match=reason) as error:
+        simplefsdp.compile_sharded(build(), compile_blocks_once=True, backend="aot_eager")
+    assert str(error.value).endswith("pass compile_blocks_once=False")
