@@ -27,12 +27,14 @@ from torch.distributed.tensor import DTensor
 from simplefsdp.ir.capture import compiling_regions
 from simplefsdp.runtime.cpu_isa import check_vector_isas_once_per_machine
 from simplefsdp.runtime.mesh import mesh_by_value
+from simplefsdp.runtime.unused_outputs import KeepGradientsOfUnusedOutputs
 
 
 def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any],
                      precompile_run: str | None = None) -> None:
     """``module.compile(...)``, keeping the module object and ``state_dict`` keys; the first call names graph breaks.
-    With ``precompile_run`` (``runtime/precompile.py: run_key``), graphs are saved and loaded across processes.
+    With ``precompile_run`` (``runtime/precompile.py: run_key``), graphs are saved and loaded across processes;
+    without it, a parameter that gets no gradient keeps its ``grad`` (``runtime/unused_outputs.py``).
 
     The compiled call (``nn.Module._compiled_call_impl``, private) is a frame of ours, since Dynamo skips frames of
     ``torch.nn`` code: ``module.compile()`` would compile nothing of a root ``nn.Sequential`` or ``nn.Linear``."""
@@ -52,7 +54,8 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
         from simplefsdp.runtime.precompile import PrecompiledCall
         set_compiled_call(module, PrecompiledCall(module, backend, precompile_run))
         return
-    compiled = _refuse_eager_past_the_recompile_limit(torch.compile(sharded_call, backend=backend, **options))
+    compiled = torch.compile(sharded_call, backend=KeepGradientsOfUnusedOutputs(backend), **options)
+    compiled = _refuse_eager_past_the_recompile_limit(compiled)
     set_compiled_call(module, _warn_on_graph_breaks(compiled, type(module).__name__))
 
 
