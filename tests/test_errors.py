@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import simplefsdp.runtime.sharding as sharding
 from simplefsdp import MixedPrecision, compile_sharded
+from simplefsdp.runtime.compile import compiled_graphs
 from ranks import run_on_ranks
 
 
@@ -185,3 +186,15 @@ def test_bad_pass_options(no_collectives, options, message):
 def test_decorator_form_checks_bucket_mode_at_once():
     with pytest.raises(ValueError, match="unknown bucket mode"):
         compile_sharded(buckets="layers")
+
+
+def test_a_meta_model_called_before_materialize_sharded_is_refused_before_compiling(fake_world, request):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    compile_sharded(model)  # the defaults: Inductor, our passes
+    request.getfixturevalue("no_collectives")
+    graphs = compiled_graphs()
+    with pytest.raises(RuntimeError, match="still on the meta device .* call simplefsdp.materialize_sharded"
+                       r"\(model\) after compile_sharded"):
+        model(torch.randn(2, 4))
+    assert compiled_graphs() == graphs  # refused before Dynamo traced (Inductor failed some 40 s into the call)
