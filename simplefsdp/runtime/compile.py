@@ -231,8 +231,10 @@ def _described_inputs(args: tuple, kwargs: dict) -> dict[str, str]:
         key = ("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:])
         if isinstance(leaf, torch.Tensor):
             described[key] = f"{tuple(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}"
+        elif isinstance(leaf, (bool, int, float, str, type(None))):
+            described[key] = repr(leaf)
         else:
-            described[key] = repr(leaf) if isinstance(leaf, (bool, int, float, str, type(None))) else type(leaf).__name__
+            described[key] = type(leaf).__name__
     return described
 
 
