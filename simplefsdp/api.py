@@ -212,6 +212,9 @@ def compile_sharded(
                 compile_in_place, model, backend, whole_graph_options), say)
         if passes and buckets == "auto" and overlap.agree_over and not precompile:
             plan_per_block_where_first_inputs_differ(model, overlap)
+        if not values:  # last, so that it runs first: materialize_sharded fills a meta model before its first call
+            from simplefsdp.runtime.meta_init import refuse_calls_until_materialized
+            refuse_calls_until_materialized(model)
     return model
 
 

@@ -7,6 +7,10 @@ fake process group the passes plan a dynamic graph as they plan the static graph
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
+
 import pytest
 import torch
 
@@ -17,6 +21,7 @@ from scenarios import (CHANGING_SHAPES, RAGGED_SEQ_LENS, build, run_changing_sha
 from simplefsdp.cli import build_parser
 from simplefsdp.data import step_seq_len
 from simplefsdp.models.llama import build_model
+from simplefsdp.runtime.compile import _described_inputs, _first_change
 
 MANUAL_PLAN = [["tok_embeddings"], ["layers.0", "layers.1"], ["norm", "output"]]
 WORLD = 2
@@ -94,24 +99,39 @@ def test_a_change_of_shape_recompiles_once_then_the_graph_is_dynamic(results):
         assert rank["graphs"] == [1, 1, 2, 2, 2]  # steps 2-4 change the batch, the sequence length, both
 
 
-def _graphs_of_blocks_compiled_once_at_new_lengths() -> list[int]:
+def _graphs_of_blocks_compiled_once_at_new_lengths() -> tuple[list[int], list[str]]:
     """Dynamo's count of graphs after each step of the debug Llama (2 blocks, one region), compiled once per block,
-    at 4 sequence lengths."""
+    at 4 sequence lengths, and what this rank printed to stderr."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
     model = simplefsdp.compile_sharded(build_model("debug"), backend="aot_eager", compile_blocks_once=True)
-    before, graphs = counters["stats"]["unique_graphs"], []
-    for seq_len in (32, 20, 39, 16):
-        model(torch.zeros(2, seq_len, dtype=torch.long)).sum().backward()
-        graphs.append(counters["stats"]["unique_graphs"] - before)
-    return graphs
+    before, graphs, printed = counters["stats"]["unique_graphs"], [], io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        for seq_len in (32, 20, 39, 16):
+            model(torch.zeros(2, seq_len, dtype=torch.long)).sum().backward()
+            graphs.append(counters["stats"]["unique_graphs"] - before)
+    return graphs, printed.getvalue().splitlines()
 
 
 def test_blocks_compiled_once_recompile_once_for_a_new_length_then_stay_dynamic():
     """The regions' reuse key describes a symbolic size as -1 without reading its value: hashing the size would
-    specialize it, and every new length would compile again (1, 2, 3, 4 graphs)."""
-    assert run_on_ranks(1, _graphs_of_blocks_compiled_once_at_new_lengths) == [[1, 2, 2, 2]]
+    specialize it, and every new length would compile again (1, 2, 3, 4 graphs). The one recompile prints one line
+    on rank 0 naming the input that changed."""
+    [(graphs, printed)] = run_on_ranks(1, _graphs_of_blocks_compiled_once_at_new_lengths)
+    assert graphs == [1, 2, 2, 2]
+    recompiles = [line for line in printed if line.startswith("simplefsdp: recompiled")]
+    assert len(recompiles) == 1, printed
+    assert re.fullmatch(r"simplefsdp: recompiled Llama for input args\[0\] \(2, 32\) int64 -> \(2, 20\) int64 in "
+                        r"\d+\.\d s", recompiles[0]), recompiles
+
+
+def test_a_recompile_with_the_same_inputs_says_so_and_points_to_dynamos_log():
+    inputs = _described_inputs((torch.zeros(2, 3, dtype=torch.long),), {"mask": None})
+    assert inputs == {"args[0]": "(2, 3) int64", "kwargs['mask']": "None"}
+    assert _first_change(inputs, {**inputs, "kwargs['mask']": "True"}) == "for input kwargs['mask'] None -> True"
+    assert _first_change(inputs, {"args[0]": "(2, 3) int64"}) == "for input kwargs['mask'] None -> absent"
+    assert "TORCH_LOGS=recompiles" in _first_change(inputs, inputs)
 
 
 def test_variable_seq_len_is_deterministic_and_spans_half_to_full():

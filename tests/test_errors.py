@@ -9,20 +9,21 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import simplefsdp.runtime.sharding as sharding
-from simplefsdp import MixedPrecision, compile_sharded
+from simplefsdp import MixedPrecision, compile_sharded, materialize_sharded
+from simplefsdp.runtime.compile import compiled_graphs
 from ranks import run_on_ranks
 
 
 @pytest.fixture
 def no_collectives(monkeypatch):
     """Make every collective compile_sharded could issue fail loudly."""
-
-    def collective_issued(*args, **kwargs):
-        raise AssertionError("a collective was issued before the input was rejected")
-
     for name in ("all_gather_object", "broadcast", "all_gather", "scatter"):
-        monkeypatch.setattr(dist, name, collective_issued)
-    monkeypatch.setattr(sharding, "distribute_tensor", collective_issued)
+        monkeypatch.setattr(dist, name, _collective_issued)
+    monkeypatch.setattr(sharding, "distribute_tensor", _collective_issued)
+
+
+def _collective_issued(*args, **kwargs):
+    raise AssertionError("a collective was issued before the input was rejected")
 
 
 def test_not_a_module(fake_world, no_collectives):
@@ -185,3 +186,19 @@ def test_bad_pass_options(no_collectives, options, message):
 def test_decorator_form_checks_bucket_mode_at_once():
     with pytest.raises(ValueError, match="unknown bucket mode"):
         compile_sharded(buckets="layers")
+
+
+def test_a_meta_model_called_before_materialize_sharded_is_refused_before_compiling(fake_world):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    compile_sharded(model, backend="aot_eager")  # refused ahead of any backend
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("all_gather_object", "broadcast", "all_gather", "all_reduce"):
+            patch.setattr(dist, name, _collective_issued)
+        graphs = compiled_graphs()
+        with pytest.raises(RuntimeError, match="still on the meta device .* call simplefsdp.materialize_sharded"
+                           r"\(model\) after compile_sharded"):
+            model(torch.randn(2, 4))
+        assert compiled_graphs() == graphs  # refused before Dynamo traced (Inductor failed some 40 s into the call)
+    materialize_sharded(model, init_fn=lambda: [nn.init.zeros_(param) for param in model.parameters()])
+    assert model(torch.randn(2, 4)).shape == (2, 4) and compiled_graphs() == graphs + 1

@@ -1,5 +1,6 @@
 """Compiling a module in place, with Inductor's FX graph cache valid across processes, each graph compiled by one
-process of a host while the others wait for it and load it, and graph breaks named once."""
+process of a host while the others wait for it and load it, graph breaks named once, and each recompile named on
+rank 0 by the input that changed."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import fcntl
 import functools
 import hashlib
 import os
+import sys
+import time
 import warnings
 from collections import Counter
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._dynamo.utils import counters
 from torch import _TorchCompileInductorWrapper  # private: torch.compile's Inductor backend, mode and options applied
@@ -23,16 +27,20 @@ from torch._inductor.compile_fx import compile_fx  # private: Inductor's compile
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
 
 from simplefsdp.ir.capture import compiling_regions
 from simplefsdp.runtime.cpu_isa import check_vector_isas_once_per_machine
 from simplefsdp.runtime.mesh import mesh_by_value
+from simplefsdp.runtime.unused_outputs import KeepGradientsOfUnusedOutputs
 
 
 def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any],
                      precompile_run: str | None = None) -> None:
-    """``module.compile(...)``, keeping the module object and ``state_dict`` keys; the first call names graph breaks.
-    With ``precompile_run`` (``runtime/precompile.py: run_key``), graphs are saved and loaded across processes.
+    """``module.compile(...)``, keeping the module object and ``state_dict`` keys; the first call names graph breaks,
+    a later one that recompiles says why on rank 0.
+    With ``precompile_run`` (``runtime/precompile.py: run_key``), graphs are saved and loaded across processes;
+    without it, a parameter that gets no gradient keeps its ``grad`` (``runtime/unused_outputs.py``).
 
     The compiled call (``nn.Module._compiled_call_impl``, private) is a frame of ours, since Dynamo skips frames of
     ``torch.nn`` code: ``module.compile()`` would compile nothing of a root ``nn.Sequential`` or ``nn.Linear``."""
@@ -52,8 +60,9 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
         from simplefsdp.runtime.precompile import PrecompiledCall
         set_compiled_call(module, PrecompiledCall(module, backend, precompile_run))
         return
-    compiled = _refuse_eager_past_the_recompile_limit(torch.compile(sharded_call, backend=backend, **options))
-    set_compiled_call(module, _warn_on_graph_breaks(compiled, type(module).__name__))
+    compiled = torch.compile(sharded_call, backend=KeepGradientsOfUnusedOutputs(backend), **options)
+    compiled = _refuse_eager_past_the_recompile_limit(compiled)
+    set_compiled_call(module, _tell_graph_breaks_and_recompiles(compiled, type(module).__name__))
 
 
 def set_compiled_call(module: nn.Module, call: Callable) -> None:
@@ -192,24 +201,62 @@ def _reduce_dtensor_with_local_shard(pickler: AOTAutogradCachePickler, tensor: t
     return _reduce_by_flattening(pickler, tensor)
 
 
-def _warn_on_graph_breaks(compiled: Callable, name: str) -> Callable:
-    checked = False
+def _tell_graph_breaks_and_recompiles(compiled: Callable, name: str) -> Callable:
+    """``compiled``, warning after its first call of the graph breaks Dynamo made, and printing one line on rank 0
+    after a later call that compiled a graph again: which input changed, from what to what, and the call's seconds
+    (a smaller last batch stalled training silently for over a minute)."""
+    last_inputs: dict[str, str] | None = None
 
     def call(*args, **kwargs):
-        nonlocal checked
-        if checked:
-            return compiled(*args, **kwargs)
-        before = Counter(counters["graph_break"])
-        result = compiled(*args, **kwargs)
-        checked = True
-        if breaks := Counter(counters["graph_break"]) - before:
-            reasons = "; ".join(f"{reason.splitlines()[0]} (x{count})" for reason, count in breaks.items())
-            warnings.warn(f"{name} graph-breaks {sum(breaks.values())} time(s): {reasons}. Training stays correct "
-                          "(each compiled piece keeps its own collectives) but communication cannot overlap across "
-                          "a break; pass fullgraph=True to fail on the first one.", stacklevel=2)
+        nonlocal last_inputs
+        inputs = _described_inputs(args, kwargs)
+        if last_inputs is None:
+            result = _warn_on_graph_breaks(compiled, name, args, kwargs)
+        else:
+            graphs, start = compiled_graphs(), time.perf_counter()
+            result = compiled(*args, **kwargs)
+            if compiled_graphs() > graphs and (not dist.is_initialized() or dist.get_rank() == 0):
+                print(f"simplefsdp: recompiled {name} {_first_change(last_inputs, inputs)} in "
+                      f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        last_inputs = inputs
         return result
 
     return call
+
+
+def _described_inputs(args: tuple, kwargs: dict) -> dict[str, str]:
+    """Each input by its path (``args[0]``, ``kwargs['mask']``): a tensor's shape and dtype, a constant's value."""
+    described = {}
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        key = ("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:])
+        if isinstance(leaf, torch.Tensor):
+            described[key] = f"{tuple(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}"
+        elif isinstance(leaf, (bool, int, float, str, type(None))):
+            described[key] = repr(leaf)
+        else:
+            described[key] = type(leaf).__name__
+    return described
+
+
+def _first_change(before: dict[str, str], after: dict[str, str]) -> str:
+    """The first input that differs between two calls' ``_described_inputs``, as "for input <path> <old> -> <new>"."""
+    for path in [*after, *(path for path in before if path not in after)]:
+        if before.get(path) != after.get(path):
+            return f"for input {path} {before.get(path, 'absent')} -> {after.get(path, 'absent')}"
+    return ("with no input changed in shape, dtype or value (another guard failed: run with TORCH_LOGS=recompiles "
+            "to see which)")
+
+
+def _warn_on_graph_breaks(compiled: Callable, name: str, args: tuple, kwargs: dict) -> Any:
+    """``compiled(*args, **kwargs)``, warning of each graph break Dynamo made in it."""
+    before = Counter(counters["graph_break"])
+    result = compiled(*args, **kwargs)
+    if breaks := Counter(counters["graph_break"]) - before:
+        reasons = "; ".join(f"{reason.splitlines()[0]} (x{count})" for reason, count in breaks.items())
+        warnings.warn(f"{name} graph-breaks {sum(breaks.values())} time(s): {reasons}. Training stays correct "
+                      "(each compiled piece keeps its own collectives) but communication cannot overlap across "
+                      "a break; pass fullgraph=True to fail on the first one.", stacklevel=3)
+    return result
 
 
 def graph_cache_hits() -> tuple[int, int]:

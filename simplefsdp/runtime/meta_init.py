@@ -43,6 +43,25 @@ def materialize_sharded(model: nn.Module, init_fn: Callable[[], None] | None = N
     return model
 
 
+def refuse_calls_until_materialized(model: nn.Module) -> None:
+    """Make a call of the compiled ``model`` (sharded on ``meta``) raise while a parameter or buffer is still on
+    ``meta``, before Dynamo traces and before any collective; once ``materialize_sharded`` has filled it, calls run
+    the compiled call as it was. Without it, Inductor failed about 40 s into the first call ("meta and cpu!")."""
+    from simplefsdp.runtime.compile import set_compiled_call
+    compiled = model._compiled_call_impl
+
+    def first_call(*args, **kwargs):
+        if meta := [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]:
+            raise RuntimeError(f"{type(model).__name__} was called with {len(meta)} parameter(s) or buffer(s) still on "
+                               f"the meta device (first: {meta[0]}): compile_sharded shards a meta model but does not "
+                               "fill it; call simplefsdp.materialize_sharded(model) after compile_sharded and before "
+                               "the first call")
+        model._compiled_call_impl = compiled
+        return compiled(*args, **kwargs)
+
+    set_compiled_call(model, first_call)
+
+
 def _keep_shard(target: DTensor, fill: Callable[[torch.Tensor], object]) -> DTensor:
     """Run ``fill`` on a full temporary tensor shaped like ``target``; copy this rank's part into ``target``."""
     full = torch.empty(target.shape, dtype=target.dtype, device=target.to_local().device)

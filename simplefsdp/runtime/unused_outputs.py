@@ -1,0 +1,91 @@
+"""A compiled model's parameter that gets no gradient keeps ``.grad`` as it was, as in eager PyTorch and FSDP2.
+
+AOTAutograd's backward of a compiled graph takes a gradient for every differentiable output, and torch 2.13 hands it
+zeros for an output the loss does not read (pytorch#131794): an input that feeds only such outputs got an all-zero
+gradient (reduce-scattered) where eager leaves ``grad`` None, so after ``zero_grad(set_to_none=True)`` momentum kept
+moving it. Here each Dynamo graph is read once for which outputs each input reaches; at each call a hook on the
+backward node the outputs share sees which outputs got a gradient (autograd hands the hook None for the others) and
+drops the gradient of every leaf input that reaches none of them, before it is accumulated. The compiled backward
+still runs whole, its reduce-scatters included: skipping them would take a backward graph per set of outputs read.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+from torch._dynamo.backends.registry import lookup_backend  # private: a backend's name to its function
+
+
+def graph_outputs(gm: fx.GraphModule) -> tuple:
+    """What Dynamo's graph ``gm`` returns: a flat tuple, one entry per output the compiled graph returns."""
+    values = gm.graph.output_node().args[0]
+    return tuple(values) if isinstance(values, (tuple, list)) else (values,)
+
+
+def outputs_reached(gm: fx.GraphModule) -> list[int]:
+    """For each placeholder of ``gm``, in order, a bit mask of the output positions it reaches."""
+    output = gm.graph.output_node()
+    reached: dict[fx.Node, int] = {}
+    for position, value in enumerate(graph_outputs(gm)):
+        if isinstance(value, fx.Node):
+            reached[value] = reached.get(value, 0) | 1 << position
+    for node in reversed(gm.graph.nodes):
+        for user in node.users:
+            if user is not output:
+                reached[node] = reached.get(node, 0) | reached.get(user, 0)
+    return [reached.get(node, 0) for node in gm.graph.find_nodes(op="placeholder")]
+
+
+class KeepGradientsOfUnusedOutputs:
+    """A Dynamo backend: ``backend``'s compiled graph, whose leaf inputs get no gradient from outputs the loss does
+    not read (``keep_gradients_of_unused_outputs``)."""
+
+    def __init__(self, backend: str | Callable) -> None:
+        self.backend = backend
+
+    def reset(self) -> None:
+        """``torch._dynamo.reset()``'s call: the wrapped backend's reset (Inductor's frees its CUDA graphs)."""
+        getattr(lookup_backend(self.backend), "reset", lambda: None)()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        compiled = lookup_backend(self.backend)(gm, example_inputs, **kwargs)
+        reached = outputs_reached(gm)
+        every_output = (1 << len(graph_outputs(gm))) - 1
+        if all(mask in (0, every_output) for mask in reached):  # no input could miss a gradient eager would give
+            return compiled
+
+        def call(*args: Any) -> Any:
+            outputs = compiled(*args)
+            keep_gradients_of_unused_outputs(args, outputs, reached)
+            return outputs
+
+        return call
+
+
+def keep_gradients_of_unused_outputs(inputs: Sequence[Any], outputs: Sequence[Any], reached: list[int]) -> None:
+    """Make the backward of ``outputs`` give no gradient to a leaf of ``inputs`` whose ``reached`` mask (of output
+    positions) holds no output that got a gradient. Outputs from another backward node than the one most share count
+    as read."""
+    differentiable = [(position, output) for position, output in enumerate(outputs)
+                      if isinstance(output, torch.Tensor) and output.grad_fn is not None]
+    if not differentiable or len(inputs) != len(reached):
+        return
+    node = Counter(output.grad_fn for _, output in differentiable).most_common(1)[0][0]
+    slots = [(1 << position, output.output_nr) for position, output in differentiable if output.grad_fn is node]
+    read_elsewhere = sum(1 << position for position, output in differentiable if output.grad_fn is not node)
+    reach_of_leaf: dict[int, int] = {}
+    for value, mask in zip(inputs, reached):
+        if isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is None:
+            reach_of_leaf[id(value)] = reach_of_leaf.get(id(value), 0) | mask
+    # None: not a leaf input, its gradient stays
+    masks = [reach_of_leaf.get(id(getattr(function, "variable", None))) for function, _ in node.next_functions]
+
+    def drop_unreached(grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+        read = read_elsewhere | sum(bit for bit, slot in slots if grad_outputs[slot] is not None)
+        return tuple(None if mask is not None and not mask & read else grad
+                     for grad, mask in zip(grad_inputs, masks))
+
+    node.register_hook(drop_unreached)

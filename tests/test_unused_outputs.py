@@ -1,0 +1,87 @@
+"""A forward output the loss does not read gives its parameters no gradient, as in plain PyTorch and FSDP2
+(FSDP2's ``test_unused_forward_output``): after ``zero_grad(set_to_none=True)`` their ``grad`` stays None."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import run_on_ranks
+from torch import nn
+
+from simplefsdp import compile_sharded
+
+DIM, LOCAL_BATCH, WORLD = 8, 2, 2
+# (the loss reads both outputs, zero_grad's set_to_none after the step) per step: the second output goes unread with
+# its parameters' grad a zero tensor (step 1, which must stay a zero tensor, and momentum moves them), then None
+# (steps 2 and 4, which must stay None: SGD leaves them be), and is read again in between (step 3).
+STEPS = [(True, False), (False, True), (False, False), (True, True), (False, False)]
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.relu(self.first(x)), torch.relu(self.second(x))
+
+
+def _model() -> TwoOutputs:
+    """Weights in eighths below 1/2 and inputs in quarters below 1: with the loss a mean over 64 or 32 elements (on a
+    rank 32 or 16, then the ranks' average of 2), lr 1/8 and momentum 1/2, every value of 5 steps is a dyadic rational
+    of at most 20 significant bits (gradients k/2^8, momentum buffers k/2^12, weights k/2^15 below 1, outputs k/2^17
+    below 8), so every fp32 sum and product is exact in any order: the sharded and compiled runs must equal plain
+    PyTorch bitwise."""
+    torch.manual_seed(0)
+    model = TwoOutputs()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randint(-4, 5, param.shape) / 8)
+    return model
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randint(-2, 3, (LOCAL_BATCH * WORLD, DIM), generator=torch.Generator().manual_seed(step)) / 4
+
+
+def _train(model: nn.Module, rows: slice) -> list[dict[str, torch.Tensor | None]]:
+    """Each step's parameters and gradients (None where a parameter has none), full tensors."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1 / 8, momentum=1 / 2)
+    record = []
+    for step, (reads_both, set_to_none) in enumerate(STEPS):
+        first, second = model(_batch(step)[rows])
+        (torch.cat([first, second]) if reads_both else first).mean().backward()
+        grads = {f"{name}.grad": _full(param.grad) for name, param in model.named_parameters()}
+        optimizer.step()
+        record.append({**grads, **{name: _full(param.detach()) for name, param in model.named_parameters()}})
+        optimizer.zero_grad(set_to_none=set_to_none)
+    return record
+
+
+def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy of ``tensor`` (the optimizer and ``zero_grad`` change it in place), whole where it is a DTensor."""
+    if tensor is None:
+        return None
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.clone()
+
+
+def _sharded(backend: str) -> list[dict[str, torch.Tensor | None]]:
+    model = compile_sharded(_model(), backend=backend)
+    rank = dist.get_rank()
+    return _train(model, slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH))
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_parameters_of_an_unread_output_get_no_gradient(backend):
+    # the loss on both outputs is a mean of the two concatenated: the same mean over rows and features either way
+    expected = _train(_model(), slice(None))
+    assert expected[2]["second.weight.grad"] is None and torch.equal(expected[1]["second.weight.grad"],
+                                                                     torch.zeros(DIM, DIM))
+    for rank_record in run_on_ranks(WORLD, _sharded, backend):
+        for step, (actual, reference) in enumerate(zip(rank_record, expected)):
+            for name, value in reference.items():
+                assert (actual[name] is None) == (value is None), f"step {step}: {name} is {actual[name]}"
+                assert value is None or torch.equal(actual[name], value), f"step {step}: {name} differs"
