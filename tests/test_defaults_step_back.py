@@ -5,12 +5,14 @@ models of issue 62 at real depth under every default."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import io
 
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import compilation_time_metrics
 
 import simplefsdp
 from ranks import run_on_ranks
@@ -30,6 +32,19 @@ class RunningSumBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen.add_(x.detach().sum())
         return x * self.scale
+
+
+class IndexedBlock(nn.Module):
+    """Scales its input by a weight, then by ``factor``; holds its ``index``, which its compute never reads (as a
+    Hugging Face layer's ``layer_idx`` without a cache)."""
+
+    def __init__(self, index: int, factor: float) -> None:
+        super().__init__()
+        self.index, self.factor = index, factor
+        self.scale = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale * self.factor
 
 
 def _compiles_blocks_once(model: nn.Module) -> bool:
@@ -54,20 +69,42 @@ def _step_back_on_a_failed_region() -> dict:
     expected = reference(x.detach().requires_grad_())
     expected.sum().backward()
     model(x[rank:rank + 1].detach().requires_grad_())  # a second call runs the whole graph, and says nothing
-    return {"installed": regions_installed, "after": _compiles_blocks_once(model), "said": said.getvalue(),
+    return {"settings": {factors: _blocks_that_differ_in_a_setting(factors, x[rank:rank + 1])
+                         for factors in ((2.0, 2.0, 2.0), (2.0, 4.0, 2.0))},"installed": regions_installed, "after": _compiles_blocks_once(model), "said": said.getvalue(),
             "output": torch.equal(output, expected[rank:rank + 1]),
             "grads": all(torch.equal(p.grad.full_tensor() * 2, q.grad)  # the ranks' mean of sums, the whole batch's sum
                          for p, q in zip(model.parameters(), reference.parameters())),
             "seen": [block.seen.item() for block in model.children()]}
 
 
-def test_a_region_torch_cannot_build_steps_back_to_the_whole_graph_on_every_rank():
+def _blocks_that_differ_in_a_setting(factors: tuple[float, ...], x: torch.Tensor) -> dict:
+    """Three ``IndexedBlock``s with ``factors``, compiled by default: whether they run as regions, how often Dynamo
+    traced one, what rank 0 said, and whether the output is exactly the unsharded blocks' (products of powers of 2
+    and one rounding each: exact in any kernel)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(IndexedBlock(index, factor) for index, factor in enumerate(factors)))
+    reference = copy.deepcopy(model)
+    simplefsdp.compile_sharded(model)
+    compilation_time_metrics.clear()
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        output = model(x)
+    return {"regions": _compiles_blocks_once(model), "traced": len(compilation_time_metrics.get(
+        "invoke_subgraph_trace", ())), "said": said.getvalue(), "exact": torch.equal(output, reference(x))}
+
+
+@pytest.fixture(scope="module")
+def per_rank() -> list[dict]:
+    return run_on_ranks(2, _step_back_on_a_failed_region)
+
+
+def test_a_region_torch_cannot_build_steps_back_to_the_whole_graph_on_every_rank(per_rank):
     """Blocks alike, so regions by default; AOTAutograd refuses the region (a buffer updated in place): every rank
     compiles the whole graph instead and runs the call, rank 0 saying so once. The step is exact: an elementwise
     product, and each gradient the mean of two ranks' one-row contributions (one fp32 add and a halving, exact; the
     reference's the add alone). The
     failed attempt ran nothing: the first block's buffer summed its two calls' inputs, 8 ones each, not more."""
-    for rank, result in enumerate(run_on_ranks(2, _step_back_on_a_failed_region)):
+    for rank, result in enumerate(per_rank):
         assert result["installed"] and not result["after"], result
         assert result["output"] and result["grads"], result
         assert result["seen"][0] == 16.0, result
@@ -96,3 +133,17 @@ def test_what_regions_cannot_run_is_the_whole_graph_by_default_and_an_error_when
     with pytest.raises(ValueError, match=reason) as error:
         simplefsdp.compile_sharded(build(), compile_blocks_once=True, backend="aot_eager")
     assert str(error.value).endswith("pass compile_blocks_once=False")
+
+
+def test_blocks_that_differ_only_in_a_setting_the_compute_never_reads_are_traced_once(per_rank):
+    """Blocks alike but for a setting share one region (Hugging Face's ``layer_idx``): their compute is traced once;
+    where the compute reads a setting that differs (``factor``), the region raises as it is traced, and every rank
+    compiles the whole graph instead, naming the setting. Exact either way (see ``_blocks_that_differ_in_a_setting``).
+    From the launch of the test above."""
+    for rank, result in enumerate(per_rank):
+        unread, read = result["settings"][(2.0, 2.0, 2.0)], result["settings"][(2.0, 4.0, 2.0)]
+        assert unread["regions"] and unread["exact"] and unread["said"] == "", unread
+        assert unread["traced"] == 2, unread  # the blocks' compute and the gathers' region, each once
+        assert not read["regions"] and read["exact"], read
+        if rank == 0:
+            assert "differ in 'factor' as one region, and the compute reads 'factor'" in read["said"], read

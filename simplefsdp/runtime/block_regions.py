@@ -53,19 +53,25 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
         return [tensor.clone() for tensor in replicate.gather_shards(*params)]
 
     gather_region = torch.compiler.nested_compile_region(gather) if gathers_in_region else None
+    signatures, reads_of = {}, {}
     for fqn in blocks:
         block = model.get_submodule(fqn)
-        reads = [(prefix, module, name) for prefix, module in block.named_modules(remove_duplicate=False)
-                 for name in vars(module).get("_gather_keys", {})]
+        reads_of[fqn] = [(prefix, module, name) for prefix, module in block.named_modules(remove_duplicate=False)
+                         for name in vars(module).get("_gather_keys", {})]
         buffers = list(block.named_buffers())
-        names = [f"{prefix}.{name}".lstrip(".") for prefix, _, name in reads] + [name for name, _ in buffers]
-        tensors = [module._parameters[name] for _, module, name in reads] + [buffer for _, buffer in buffers]
-        checkpointing = _checkpoint_options(block)
-        signature = (_structure(block), tuple(names),
-                     tuple((tensor.shape, tensor.stride(), tensor.dtype) for tensor in tensors),
-                     checkpointing)
+        tensors = [module._parameters[name] for _, module, name in reads_of[fqn]] + [tensor for _, tensor in buffers]
+        signatures[fqn] = ((_structure(block) if strict else _settings_named(_structure(block))),
+                           (*(f"{prefix}.{name}".lstrip(".") for prefix, _, name in reads_of[fqn]),
+                            *(name for name, _ in buffers)),
+                           tuple((tensor.shape, tensor.stride(), tensor.dtype) for tensor in tensors),
+                           _checkpoint_options(block))
+    for fqn in blocks:
+        block, reads, signature = model.get_submodule(fqn), reads_of[fqn], signatures[fqn]
+        buffers, names = list(block.named_buffers()), list(signature[1])
         if signature not in regions:
-            regions[signature] = {training: _region(_template(block).train(training), names, checkpointing,
+            alike = [model.get_submodule(other) for other in blocks if signatures[other] == signature]
+            regions[signature] = {training: _region(_template(block, _differing_settings(alike)).train(training),
+                                                    names, signature[3],
                                                     f"{len(regions)}_{'train' if training else 'eval'}")
                                   for training in (True, False)}
         own_forward = None if strict else block.forward
@@ -85,11 +91,28 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
 
 
 def distinct_blocks(model: nn.Module, blocks: tuple[str, ...]) -> int:
-    """How many of ``model``'s ``blocks`` differ in structure (``_structure``) or in their tensors' names, shapes and
-    dtypes: each would be traced as a region of its own."""
-    return len({(_structure(block), tuple((name, tensor.shape, tensor.dtype) for name, tensor in
-                                         itertools.chain(block.named_parameters(), block.named_buffers())))
+    """How many of ``model``'s ``blocks`` differ in structure (modules' classes, the names of their settings) or in
+    their tensors' names, shapes and dtypes: by default, each is traced as a region of its own."""
+    return len({(_settings_named(_structure(block)), tuple((name, tensor.shape, tensor.dtype) for name, tensor in
+                                                          itertools.chain(block.named_parameters(),
+                                                                          block.named_buffers())))
                 for block in map(model.get_submodule, blocks)})
+
+
+def _settings_named(structure: tuple) -> tuple:
+    """``_structure``'s tuple with each setting's name alone, not its value."""
+    return tuple((prefix, cls, tuple(key for key, _ in settings)) for prefix, cls, settings in structure)
+
+
+def _differing_settings(blocks: list[nn.Module]) -> dict[str, set[str]]:
+    """The settings whose values differ between ``blocks`` (of one structure but for those values), by module
+    prefix."""
+    differing: dict[str, set[str]] = {}
+    for modules in zip(*(_structure(block) for block in blocks)):
+        for key, value in modules[0][2]:
+            if any(dict(settings)[key] != value for _, _, settings in modules[1:]):
+                differing.setdefault(modules[0][0], set()).add(key)
+    return differing
 
 
 def _structure(block: nn.Module) -> tuple:
@@ -111,9 +134,11 @@ def _is_setting(value) -> bool:
     return isinstance(value, (*_PLAIN, torch.dtype))
 
 
-def _template(block: nn.Module) -> nn.Module:
+def _template(block: nn.Module, unreadable: dict[str, set[str]]) -> nn.Module:
     """A copy of ``block`` that holds no data: its modules' own classes (no gathering getters), no sharding state,
-    forwards unwrapped; ``functional_call`` gives it every parameter and buffer."""
+    forwards unwrapped; ``functional_call`` gives it every parameter and buffer. The settings of ``unreadable`` (by
+    module prefix: those that differ between the blocks sharing the template) raise when the compute reads them,
+    also through ``hasattr`` and ``getattr`` with a default: the region then fails to compile."""
     state = [tensor for module in block.modules() for key in ("_grad_accumulators", "_error_feedback")
              for tensor in vars(module).get(key, {}).values()]
     memo = {id(tensor): None for tensor in itertools.chain(block.parameters(), block.buffers(), state)}
@@ -123,7 +148,20 @@ def _template(block: nn.Module) -> nn.Module:
             module.__class__ = module._class_without_getters
         for key in ("forward", "_gather_keys", "_grad_accumulators", "_error_feedback", "_class_without_getters"):
             vars(module).pop(key, None)
+    for prefix, keys in unreadable.items():
+        module = template.get_submodule(prefix)
+        for key in keys:
+            del vars(module)[key]
+        module.__class__ = type(type(module).__name__, (type(module),), {key: _unreadable(key) for key in keys})
     return template
+
+
+def _unreadable(key: str) -> property:
+    def read(module: nn.Module) -> None:
+        raise RuntimeError(f"compile_blocks_once ran blocks that differ in {key!r} as one region, and the compute "
+                           f"reads {key!r}")
+
+    return property(read)
 
 
 def _checkpoint_options(block: nn.Module) -> tuple | None:
@@ -216,7 +254,8 @@ def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Mo
     modes = {module.training for module in modules}
     odd = next((leaf for leaf in tree_leaves((args, kwargs))
                 if not isinstance(leaf, (torch.Tensor, *_PLAIN, *_SYMBOLIC))), None)
-    if own_forward is not None and (len(modes) > 1 or odd is not None):
+    # eagerly (a block called alone) a region gives nothing, and its template lacks the settings blocks differ in
+    if own_forward is not None and (len(modes) > 1 or odd is not None or not torch.compiler.is_compiling()):
         return own_forward(*args, **kwargs)
     if len(modes) > 1:
         raise ValueError(f"compile_blocks_once runs a block in one mode; {fqn!r} has modules in training and in eval "
@@ -279,13 +318,15 @@ def whole_graph_where_regions_fail(model: nn.Module, uninstall: Callable[[], Non
 
 
 def _compiler_failure(error: BaseException) -> str | None:
-    """The first line of the innermost error (``type: message``) where ``error``, or one it was raised from, is
-    Dynamo's or Inductor's (they wrap AOTAutograd's); else None."""
+    """Why the compile failed, in a line, where ``error``, or one it was raised from, is Dynamo's or Inductor's (they
+    wrap AOTAutograd's); else None."""
     compiler, innermost = False, error
     while innermost is not None:
         compiler = compiler or type(innermost).__module__.startswith(("torch._dynamo", "torch._inductor"))
         error, innermost = innermost, getattr(innermost, "inner_exception", None) or innermost.__cause__
     if not compiler:
         return None
-    line = next((line for line in str(error).splitlines() if line.strip()), "")
-    return f"{type(error).__name__}: {line}"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    # our own reason (``_unreadable``) where Dynamo wraps it, else torch's first line
+    return next((line for line in lines if "compile_blocks_once" in line), f"{type(error).__name__}: {lines[0]}"
+                if lines else type(error).__name__)
