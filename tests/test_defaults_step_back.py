@@ -17,7 +17,7 @@ from torch._dynamo.utils import compilation_time_metrics
 import simplefsdp
 from ranks import run_on_ranks
 from simplefsdp.runtime.block_regions import _run_block
-from zoo import ComplexRotaryLlama, ResNet
+from zoo import ComplexRotaryLlama, ResNet, build
 
 
 class RunningSumBlock(nn.Module):
@@ -119,6 +119,7 @@ def test_a_region_torch_cannot_build_steps_back_to_the_whole_graph_on_every_rank
 @pytest.mark.parametrize("build, reason", [
     (lambda: ComplexRotaryLlama(layers=2), "'freqs_cis' is complex"),
     (lambda: ResNet(layers=2), "'layers.0.bn1' tracks running statistics"),
+    (lambda: build("batchnorm_sequential"), "'1' tracks running statistics"),  # the blocks are the batch norms
 ])
 def test_what_regions_cannot_run_is_the_whole_graph_by_default_and_an_error_when_asked(fake_world, capfd, build,
                                                                                        reason):

@@ -279,8 +279,9 @@ def block_regions_refusal(model: nn.Module, blocks: tuple[str, ...]) -> str | No
                 "complex: keep it real (torch.view_as_real), or pass compile_blocks_once=False")
     for fqn in blocks:
         block = model.get_submodule(fqn)
-        if norm := next((name for name, module in block.named_modules()
-                         if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats), None):
+        norm = next((name for name, module in block.named_modules()
+                     if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats), None)
+        if norm is not None:  # "" where the block is the batch norm
             return (f"compile_blocks_once cannot train a block that updates its buffers in place in torch 2.13; "
                     f"{f'{fqn}.{norm}'.rstrip('.')!r} tracks running statistics: pass compile_blocks_once=False")
         forward = vars(block).get("forward")
@@ -326,7 +327,8 @@ def _compiler_failure(error: BaseException) -> str | None:
         error, innermost = innermost, getattr(innermost, "inner_exception", None) or innermost.__cause__
     if not compiler:
         return None
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    # our own reason (``_unreadable``) where Dynamo wraps it, else torch's first line
-    return next((line for line in lines if "compile_blocks_once" in line), f"{type(error).__name__}: {lines[0]}"
-                if lines else type(error).__name__)
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+    # our own reason (``_unreadable``) where Dynamo wraps it, else torch's first line (and the next, where the first
+    # announces it: "Got graph break/error:")
+    first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+    return next((line for line in lines if "compile_blocks_once" in line), f"{type(error).__name__}: {first}")
