@@ -57,9 +57,14 @@ def _output_sum(output, *inputs) -> torch.Tensor:
     return logits(output).float().sum()
 
 
-@pytest.mark.parametrize("name", ZOO)
+# the zoo's families, one model each: Llama, Qwen2 and BERT shard as Mixtral's and GPT-2's layers do, a ResNet's
+# convolutions and batch norms as the batch-norm Sequential's
+FAMILIES = [name for name in ZOO if name not in ("llama", "qwen2", "bert", "resnet")]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_every_rank_of_a_zoo_model_plans_the_same_collectives(name):
-    model = build(name)
+    model = build(name, layers=2)  # every block of a model shards alike: two show the plan between repeats
     inputs, _ = ZOO[name].batch(0, 2)
     compared = [_assert_every_rank_plans_alike(model, inputs, world, loss_fn=_output_sum) for world in WORLDS]
     assert max(compared) > 1, f"every world split {name}'s parameters evenly: no two plans were compared"
