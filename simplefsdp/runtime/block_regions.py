@@ -4,7 +4,10 @@ A block (``passes.bucket_plan.find_blocks``) gathers all its parameters first, o
 recomputed in backward when resharding after forward, instead of one per parameter), then calls the region with the
 gathered tensors: ``torch.func.functional_call`` of a copy of the block that holds no data. Blocks of one structure
 (modules' classes and settings, parameter names and shapes) share one region per mode, so Dynamo traces its compute
-once and stamps it out for the repeats, AOTAutograd partitions it once and Inductor compiles it once; the collectives
+once and stamps it out for the repeats, AOTAutograd partitions it once and Inductor compiles it once. By default
+blocks that differ only in a setting's value (Hugging Face's ``layer_idx``) share one too, the setting unreadable in
+it: a compute that reads it fails to compile, and the model steps back to the whole graph
+(``whole_graph_where_regions_fail``), as it does wherever torch refuses a region. The collectives
 stay in the outer graphs, where the passes bucket and reorder them, and the backward gathers a block again just before
 its backward region (``passes/region_inputs.py``). Under Inductor the gathers run in a region of their own, shared by
 all blocks, so Dynamo traces them once too; our backends inline its calls into the outer graph before AOTAutograd
