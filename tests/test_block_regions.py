@@ -75,6 +75,25 @@ def test_every_block_calls_the_one_region(reports):
         assert not any(node.op == "invoke_subgraph" for node in whole.nodes)
 
 
+def test_the_written_graphs_hold_each_region_body_once_named_as_its_calls_name_it(reports, tmp_path):
+    """What ``inspect`` writes shows a block's compute (issue 65): each stage's graphs hold every body their calls
+    name, once; the forward's body holds the flash kernel (h100, meta), once; the summary names the blocks served."""
+    paths = [path for path in reports[True].save(tmp_path) if path.suffix == ".py"]
+    for path in paths:
+        code = path.read_text()
+        headers = re.findall(r"^# self\.(\w+), the region called by (.*):$", code, re.MULTILINE)
+        named = {name for name, _ in headers} | set(re.findall(r"via self\.(\w+)", "".join(c for _, c in headers)))
+        # each call: the body it names, or the subgraph that pins it (Inductor's control_deps), by attribute name
+        attribute = dict(re.findall(r"^    (\w+) = self\.(\w+)$", code, re.MULTILINE))
+        sites = [attribute[site] for site in re.findall(r"invoke_subgraph\((\w+), '", code) + [
+            site for site in re.findall(r"control_deps\(\([^)]*\), (\w+),", code) if "invoke_subgraph" in site]]
+        assert len(headers) == len({name for name, _ in headers}) == 1, path  # one body, written once
+        assert len(sites) >= LAYERS and set(sites) <= named, path
+    forward = (tmp_path / "forward.py").read_text()
+    assert forward.count("aten._scaled_dot_product_flash_attention.default(") == 1 and "for_cpu" not in forward
+    assert f"the compute of {LAYERS} block(s), layers.0 to layers.{LAYERS - 1}" in reports[True].summary()
+
+
 def test_dynamo_traces_the_compute_of_a_block_once_and_stamps_out_its_repeats(reports):
     """Dynamo's own reuse check traced every block (``functional_call`` swaps the template's tensors, a side effect
     it refuses): a block's Python ran once per block instead of once. Two regions, each traced once: the blocks'

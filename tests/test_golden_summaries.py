@@ -83,6 +83,8 @@ reordered graphs (what runs)
 predicted step 875.2 us: compute 805.9 us, communication 206.4 us, exposed 69.3 us, overlap 66.4%, lower bound 805.9 us
 peak memory per rank 944.33 KiB at backward:all_gather_into_tensor_out: sharded_params 64.16 KiB, unsharded_params 96.38 KiB, gradients 0 B, comm_buffers 0 B, activations 783.80 KiB
 FLOPs per rank per step 1.028e+08
+forward region partitioned_fw_subgraph_1_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
+backward region partitioned_bw_subgraph_1_0 (in backward.py): the compute of 2 block(s), layers.1 to layers.0
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  forward   all_gather      f0      tok_embeddings                        8  bfloat16    32.00 KiB     17.1 us  no, stalls 17.1 us
@@ -108,6 +110,8 @@ debug, fully_shard, world 8, h100
 predicted step 1.911 ms: compute 855.1 us, communication 1.056 ms, exposed 1.056 ms, overlap 0.0%, lower bound 1.056 ms
 peak memory per rank 783.70 KiB at backward:mm_2: sharded_params 64.16 KiB, unsharded_params 32.00 KiB, gradients 0 B, comm_buffers 0 B, activations 687.55 KiB
 FLOPs per rank per step 1.028e+08
+forward region partitioned_fw_subgraph_1_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
+backward region partitioned_bw_subgraph_1_0 (in backward.py): the compute of 2 block(s), layers.1 to layers.0
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  forward   all_gather      f0      tok_embeddings                        8  bfloat16    32.00 KiB     17.1 us  no, stalls 17.1 us
@@ -200,6 +204,8 @@ reordered graphs (what runs)
 predicted step 848.7 us: compute 819.6 us, communication 74.5 us, exposed 29.1 us, overlap 61.0%, lower bound 819.6 us
 peak memory per rank 1.42 MiB at backward:mul_5: sharded_params 513.25 KiB, unsharded_params 0 B, gradients 0 B, comm_buffers 0 B, activations 944.30 KiB
 FLOPs per rank per step 1.028e+08
+forward region partitioned_fw_subgraph_1_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
+backward region partitioned_bw_subgraph_1_0 (in backward.py): the compute of 2 block(s), layers.1 to layers.0
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  backward  all_reduce      b0      output                                8  float32    256.75 KiB     25.2 us  yes
@@ -252,6 +258,8 @@ reordered graphs (what runs)
 predicted step 922.7 us: compute 810.0 us, communication 214.9 us, exposed 112.7 us, overlap 47.6%, lower bound 810.0 us
 peak memory per rank 1008.48 KiB at backward:all_gather_into_tensor_out: sharded_params 128.31 KiB, unsharded_params 96.38 KiB, gradients 0 B, comm_buffers 0 B, activations 783.80 KiB
 FLOPs per rank per step 1.028e+08
+forward region partitioned_fw_subgraph_1_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
+backward region partitioned_bw_subgraph_1_0 (in backward.py): the compute of 2 block(s), layers.1 to layers.0
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  forward   all_gather      f0      tok_embeddings                        4  bfloat16    32.00 KiB     13.1 us  no, stalls 13.1 us

@@ -62,6 +62,9 @@ def text_summary(title: str, schedules: list[Schedule], prediction: Prediction, 
         f"lower bound {format_seconds(prediction.lower_bound)}",
         f"peak memory per rank {format_bytes(memory.peak_bytes)} at {memory.peak_at}: {split}",
         f"FLOPs per rank per step {flops:.4g}",
+        *(f"{schedule.phase} region {name} (in {schedule.phase}.py): the compute of {len(blocks)} block(s), "
+          f"{blocks[0]}{f' to {blocks[-1]}' if len(blocks) > 1 else ''}"
+          for schedule in schedules for name, blocks in schedule.regions.items()),
         "",
         f"{'#':>3}  {'phase':8}  {'kind':14}  {'bucket':6}  {'module':32}  {'group':>5}  {'dtype':8}  "
         f"{'bytes':>11}  {'time':>10}  hidden",

@@ -89,6 +89,7 @@ class Schedule:
     dag: nx.DiGraph = field(repr=False)
     symbols: dict[str, int] = field(default_factory=dict)
     data_parallel_groups: tuple[str, ...] = ()
+    regions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a region body's name: the blocks calling it
 
     def node(self, name: str) -> ScheduleNode:
         """The node called ``name``; ``KeyError`` when there is none."""
@@ -123,7 +124,33 @@ def read_schedule(gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | N
             nodes.append(node)
             dag.add_node(node.name, node=node)
             dag.add_edges_from((source, node.name) for source in node.inputs if source in dag)
-    return Schedule(phase, inputs, nodes, outputs, gm.code, dag, _symbols(gm), data_parallel_groups)
+    calls = _region_calls(gm, fqns)
+    regions = {name: tuple(dict.fromkeys(block for block, _ in sites)) for name, sites in calls.items()}
+    return Schedule(phase, inputs, nodes, outputs, _code_with_region_bodies(gm, calls), dag, _symbols(gm),
+                    data_parallel_groups, regions)
+
+
+def _region_calls(gm: fx.GraphModule, fqns: dict[str, str]) -> dict[str, list[tuple[str, str | None]]]:
+    """Each region body ``gm`` calls (``invoke_subgraph``'s subgraph, by its attribute name): its calls in program
+    order, each as (the block's FQN, the subgraph that pins the call, or None)."""
+    calls: dict[str, list[tuple[str, str | None]]] = {}
+    for fx_node in gm.graph.nodes:
+        if fx_node.op != "call_function":
+            continue
+        call = _call(fx_node)
+        if isinstance(call.target, HigherOrderOperator) and call.target.name() == "invoke_subgraph":
+            site = fx_node.args[1].target if pinned(fx_node) else None
+            calls.setdefault(call.args[0].target, []).append((fqns.get(fx_node.name) or "?", site))
+    return calls
+
+
+def _code_with_region_bodies(gm: fx.GraphModule, calls: dict[str, list[tuple[str, str | None]]]) -> str:
+    """``gm``'s code, then each region body it calls, once, headed by its name and the blocks that call it (and the
+    subgraph each call is pinned through)."""
+    bodies = [f"\n\n# self.{name}, the region called by "
+              f"{', '.join(block if site is None else f'{block} via self.{site}' for block, site in sites)}:\n"
+              f"{getattr(gm, name).code}" for name, sites in calls.items()]
+    return gm.code + "".join(bodies)
 
 
 def _symbols(gm: fx.GraphModule) -> dict[str, int]:
