@@ -97,13 +97,10 @@ def _dropout_outputs(mode: str, compile_blocks_once: bool) -> list[torch.Tensor]
 def _hugging_face_outputs(checkpointing: dict | None, compile_blocks_once: bool) -> list[torch.Tensor]:
     """Loss and gradients of a 2-layer Hugging Face Llama, checkpointed by its own ``gradient_checkpointing_enable``
     with ``checkpointing``'s arguments (None: not checkpointed), compiled with aot_eager."""
-    from transformers import LlamaForCausalLM
-    from zoo import _tiny_llama_config
+    from zoo import build
 
-    torch.manual_seed(0)
-    config = _tiny_llama_config()
-    config.num_hidden_layers = 2
-    model = LlamaForCausalLM(config).train()
+    model = build("llama", layers=2).train()
+    config = model.config
     if checkpointing is not None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
     compile_sharded(model, backend="aot_eager", compile_blocks_once=compile_blocks_once)
