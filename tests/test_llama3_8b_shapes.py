@@ -49,3 +49,15 @@ def test_step_flops_are_six_params_tokens_plus_attention(traced):
     expected = 6 * matmul_params * tokens + 7 * LAYERS * 1 * SEQ**2 * config.dim
     flops = sum(node.flops for schedule in report.schedules for node in schedule.nodes)
     assert abs(flops - expected) <= 0.05 * expected
+
+
+def test_the_written_forward_holds_the_flash_kernel_once_in_its_one_block_body(traced, tmp_path):
+    """What ``inspect`` writes shows the blocks' compute (issue 65): the blocks compile once (the default), and the
+    forward's file holds their one region body, with the device's attention kernel (the flash kernel for h100 on
+    meta) once and no CPU attention op. Every call naming a written body: ``test_block_regions``."""
+    _, report = traced
+    report.save(tmp_path)
+    forward = (tmp_path / "forward.py").read_text()
+    assert list(report.forward.regions.values()) == [tuple(f"layers.{index}" for index in range(LAYERS))]
+    assert forward.count("aten._scaled_dot_product_flash_attention.default(") == 1, forward
+    assert "for_cpu" not in forward
