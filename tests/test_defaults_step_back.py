@@ -16,7 +16,7 @@ from torch._dynamo.utils import compilation_time_metrics
 
 import simplefsdp
 from ranks import run_on_ranks
-from simplefsdp.runtime.block_regions import _run_block
+from simplefsdp.runtime.block_regions import _compiler_failure, _run_block
 from zoo import ComplexRotaryLlama, ResNet, build
 
 
@@ -148,3 +148,22 @@ def test_blocks_that_differ_only_in_a_setting_the_compute_never_reads_are_traced
         assert not read["regions"] and read["exact"], read
         if rank == 0:
             assert "differ in 'factor' as one region, and the compute reads 'factor'" in read["said"], read
+
+
+def _raised_from(error: Exception, cause: Exception) -> Exception:
+    try:
+        raise error from cause
+    except Exception as raised:
+        return raised
+
+
+def test_only_a_compile_failure_steps_back_and_not_dynamos_recompile_limit():
+    """The step-back takes errors Dynamo or Inductor raised, or wrapped, with their reason; not the recompile limit,
+    which ``runtime/compile.py`` raises on purpose on one rank (a whole graph there would issue collectives the other
+    ranks' graphs do not), nor an error of the model's own."""
+    failure = _raised_from(RuntimeError("while compiling"),
+                           torch._dynamo.exc.InternalTorchDynamoError("RuntimeError: the region cannot run"))
+    assert _compiler_failure(failure) == "InternalTorchDynamoError: RuntimeError: the region cannot run"
+    limit = _raised_from(RuntimeError("Dynamo hit its recompile limit"), torch._dynamo.exc.FailOnRecompileLimitHit())
+    assert _compiler_failure(limit) is None
+    assert _compiler_failure(ValueError("the model's own error")) is None

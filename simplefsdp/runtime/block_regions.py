@@ -323,9 +323,12 @@ def whole_graph_where_regions_fail(model: nn.Module, uninstall: Callable[[], Non
 
 def _compiler_failure(error: BaseException) -> str | None:
     """Why the compile failed, in a line, where ``error``, or one it was raised from, is Dynamo's or Inductor's (they
-    wrap AOTAutograd's); else None."""
+    wrap AOTAutograd's); else None. Not Dynamo's recompile limit (``runtime/compile.py`` raises it on purpose: on
+    that rank alone, a whole graph would issue collectives the other ranks' graphs do not)."""
     compiler, innermost = False, error
     while innermost is not None:
+        if isinstance(innermost, torch._dynamo.exc.FailOnRecompileLimitHit):
+            return None
         compiler = compiler or type(innermost).__module__.startswith(("torch._dynamo", "torch._inductor"))
         error, innermost = innermost, getattr(innermost, "inner_exception", None) or innermost.__cause__
     if not compiler:
