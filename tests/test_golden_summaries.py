@@ -14,7 +14,7 @@ import torch
 from expecttest import assert_expected_inline
 
 import simplefsdp
-from simplefsdp.inspection import InspectReport
+from simplefsdp.inspect_report import InspectReport
 from simplefsdp.ir.hardware import H100, HardwareProfile
 from simplefsdp.ir.render import text_summary
 from simplefsdp.models.llama import build_model
