@@ -15,6 +15,7 @@ from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import checkpoint_hugging_face_layers_fully
 from simplefsdp.runtime.agreed_profile import agreed_profile
 from simplefsdp.runtime.block_regions import block_regions_refusal, distinct_blocks
+from simplefsdp.runtime.hugging_face import refuse_saving_shards
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
@@ -198,6 +199,7 @@ def compile_sharded(
         cast_floating_inputs(model, mp_policy.param_dtype)
     add_gradient_sync_methods(model, replicate.sync, functools.partial(reduce_pending, replicate))
     checkpoint_hugging_face_layers_fully(model)  # before regions copy the blocks
+    refuse_saving_shards(model)
     if compile_blocks_once:  # the blocks found before sharding, which gives each module a class of its own
         from simplefsdp.runtime.block_regions import install_block_regions
         uninstall_regions = install_block_regions(model, block_fqns, replicate,

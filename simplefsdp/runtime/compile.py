@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from simplefsdp.ir.capture import compiling_regions
 from simplefsdp.runtime.cpu_isa import check_vector_isas_once_per_machine
+from simplefsdp.runtime.hugging_face import graph_break_fix
 from simplefsdp.runtime.mesh import mesh_by_value
 from simplefsdp.runtime.unused_outputs import KeepGradientsOfUnusedOutputs
 
@@ -62,7 +63,7 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
         return
     compiled = torch.compile(sharded_call, backend=KeepGradientsOfUnusedOutputs(backend), **options)
     compiled = _refuse_eager_past_the_recompile_limit(compiled)
-    set_compiled_call(module, _tell_graph_breaks_and_recompiles(compiled, type(module).__name__))
+    set_compiled_call(module, _tell_graph_breaks_and_recompiles(compiled, module))
 
 
 def set_compiled_call(module: nn.Module, call: Callable) -> None:
@@ -201,17 +202,18 @@ def _reduce_dtensor_with_local_shard(pickler: AOTAutogradCachePickler, tensor: t
     return _reduce_by_flattening(pickler, tensor)
 
 
-def _tell_graph_breaks_and_recompiles(compiled: Callable, name: str) -> Callable:
+def _tell_graph_breaks_and_recompiles(compiled: Callable, module: nn.Module) -> Callable:
     """``compiled``, warning after its first call of the graph breaks Dynamo made, and printing one line on rank 0
     after a later call that compiled a graph again: which input changed, from what to what, and the call's seconds
     (a smaller last batch stalled training silently for over a minute)."""
     last_inputs: dict[str, str] | None = None
+    name = type(module).__name__
 
     def call(*args, **kwargs):
         nonlocal last_inputs
         inputs = _described_inputs(args, kwargs)
         if last_inputs is None:
-            result = _warn_on_graph_breaks(compiled, name, args, kwargs)
+            result = _warn_on_graph_breaks(compiled, module, args, kwargs)
         else:
             graphs, start = compiled_graphs(), time.perf_counter()
             result = compiled(*args, **kwargs)
@@ -247,15 +249,16 @@ def _first_change(before: dict[str, str], after: dict[str, str]) -> str:
             "to see which)")
 
 
-def _warn_on_graph_breaks(compiled: Callable, name: str, args: tuple, kwargs: dict) -> Any:
-    """``compiled(*args, **kwargs)``, warning of each graph break Dynamo made in it."""
+def _warn_on_graph_breaks(compiled: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``compiled(*args, **kwargs)``, warning of each graph break Dynamo made in it, its fix last where known."""
     before = Counter(counters["graph_break"])
     result = compiled(*args, **kwargs)
     if breaks := Counter(counters["graph_break"]) - before:
         reasons = "; ".join(f"{reason.splitlines()[0]} (x{count})" for reason, count in breaks.items())
-        warnings.warn(f"{name} graph-breaks {sum(breaks.values())} time(s): {reasons}. Training stays correct "
-                      "(each compiled piece keeps its own collectives) but communication cannot overlap across "
-                      "a break; pass fullgraph=True to fail on the first one.", stacklevel=3)
+        fix = graph_break_fix(module, list(breaks)) or "pass fullgraph=True to fail on the first one"
+        warnings.warn(f"{type(module).__name__} graph-breaks {sum(breaks.values())} time(s): {reasons}. Training "
+                      "stays correct (each compiled piece keeps its own collectives) but communication cannot "
+                      f"overlap across a break.\nFix: {fix}.", stacklevel=3)
     return result
 
 

@@ -1,0 +1,40 @@
+"""What a Hugging Face model needs once sharded: ``save_pretrained`` refused without a full state dict (with the
+recipe), and the fix of the graph breaks its key-value cache makes under gradient checkpointing."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+SAVE_RECIPE = (
+    "gather the full state dict on every rank, then save it on rank 0: full = get_model_state_dict(model, "
+    "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) (torch.distributed.checkpoint.state_dict), "
+    "then model.save_pretrained(DIR, state_dict=dict(full)) on rank 0 "
+    "(docs/models-from-other-libraries.md#saving-a-full-state-dict)")
+
+
+def refuse_saving_shards(model: nn.Module) -> None:
+    """Make ``model.save_pretrained(...)`` without ``state_dict=`` raise naming ``SAVE_RECIPE`` (it would read the
+    sharded DTensors' storage and fail deep inside safetensors); with ``state_dict=`` it saves what it is given."""
+    save_pretrained: Callable | None = getattr(model, "save_pretrained", None)
+    if save_pretrained is None:
+        return
+
+    def save_gathered(save_directory, *args, state_dict=None, **kwargs):
+        if state_dict is None:
+            raise RuntimeError(f"save_pretrained() of a sharded {type(model).__name__} would save each rank's shards; "
+                               f"{SAVE_RECIPE}")
+        return save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+
+    model.save_pretrained = save_gathered
+
+
+def graph_break_fix(model: nn.Module, reasons: list[str]) -> str | None:
+    """The fix of ``model``'s graph breaks (Dynamo's ``reasons``) where this library knows one, or None: Hugging
+    Face's cache under gradient checkpointing logs a warning at each call, which Dynamo cannot trace."""
+    cache_on = getattr(getattr(model, "config", None), "use_cache", False)
+    if cache_on and any("Logger" in reason for reason in reasons):
+        return ("set model.config.use_cache = False before training (the key-value cache serves generation; under "
+                "gradient checkpointing Hugging Face warns of it at every call, and each warning breaks the graph)")
+    return None
