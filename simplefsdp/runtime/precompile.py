@@ -28,7 +28,6 @@ from torch.utils import _pytree as pytree
 
 from simplefsdp.ir.hardware import CACHE_DIR
 from simplefsdp.runtime.cpu_isa import check_vector_isas_once_per_machine
-from simplefsdp.runtime.grad_sync import GradientSync
 from simplefsdp.runtime.mesh import mesh_by_value
 
 PLAIN = (bool, int, float, str, type(None))
