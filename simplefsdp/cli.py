@@ -55,7 +55,7 @@ def contenders_arg(text: str) -> list[str]:
 def _workload(model: str, batch_size: int, seq_len: int | None, dtypes: tuple) -> argparse.ArgumentParser:
     """--model, --batch-size, --seq-len, --param-dtype and --reduce-dtype, with one command's defaults."""
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--model", default=model, choices=sorted(CONFIGS), help=f"reference model ({model})")
+    parser.add_argument("--model", default=model, help=f"reference model ({model})")
     parser.add_argument("--layers", type=_at_least_one, default=None,
                         help="transformer blocks (default: the named model's count)")
     parser.add_argument("--batch-size", type=int, default=batch_size,

@@ -12,8 +12,6 @@ import contextlib
 import copy
 import functools
 import itertools
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -25,149 +23,24 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from simplefsdp import plots
 from simplefsdp.api import DYNAMIC_REGIONS, blocks_once_by_default, compile_sharded
-from simplefsdp.ir.cost_model import wire_bytes
 from simplefsdp.ir.capture import TraceError, capture_graphs, cyclic_gc_paused
 from simplefsdp.ir.hardware import HardwareProfile, get_profile
-from simplefsdp.ir.render import chrome_trace, stage_table, text_summary
 from simplefsdp.ir.replica_sync import replica_sync_price, replica_sync_problem
-from simplefsdp.ir.schedule import Schedule
-from simplefsdp.ir.simulator import Prediction, simulate
-from simplefsdp.models.llama import Llama, build_model, get_config
+from simplefsdp.ir.simulator import simulate
+from simplefsdp.inspect_report import InspectReport, InspectStage
+from simplefsdp.models.llama import Llama
 from simplefsdp.models.llama_tp import check_tensor_parallel, tensor_parallel_plan
-from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan, find_blocks
+from simplefsdp.models.workload import blocks, load_workload
+from simplefsdp.passes.bucket_plan import BucketMode, find_blocks
 from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.passes.region_inputs import recompute_region_inputs
-from simplefsdp.passes.reorder import ReorderPlan
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
 from simplefsdp.runtime.fake_world import DEVICES, fake_world
 from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES, check_tensor_parallel_world, data_parallel_groups
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 from simplefsdp.runtime.quantize import Quantize, quantize_option
 from simplefsdp.runtime.sharding import check_not_sharded
-
-
-@dataclass(frozen=True)
-class InspectStage:
-    """The step's graphs at one stage (``traced``, ``bucketed``, ``reordered``), the plans applied, the prediction."""
-
-    name: str
-    forward: Schedule
-    backward: Schedule
-    forward_plan: BucketPlan | ReorderPlan | None
-    backward_plan: BucketPlan | ReorderPlan | None
-    prediction: Prediction
-
-    @property
-    def schedules(self) -> list[Schedule]:
-        """The forward and the backward schedule, in run order."""
-        return [self.forward, self.backward]
-
-
-_PLAN_HEADINGS = {"bucketed": "bucket plan", "reordered": "reorder plan"}
-
-
-@dataclass
-class InspectReport:
-    """The step at each stage of the passes, ``traced`` first; ``forward``, ``backward`` and ``prediction`` are the
-    last stage's, the graphs that run. ``tokens``: tokens per step per device, from the example input (over tp)."""
-
-    title: str
-    stages: list[InspectStage]
-    hardware: HardwareProfile
-    tokens: int
-    fault_tolerant: dict | None = None  # what crosses replica groups (``ir/replica_sync.py``), ``replica_groups`` > 1
-
-    @property
-    def final(self) -> InspectStage:
-        """The stage after every pass that is on: the graphs that run."""
-        return self.stages[-1]
-
-    def stage(self, name: str) -> InspectStage:
-        """The stage called ``name``; ``KeyError`` naming the stages this report has when there is none."""
-        found = [stage for stage in self.stages if stage.name == name]
-        if not found:
-            raise KeyError(f"no {name!r} stage; this report has {', '.join(s.name for s in self.stages)} "
-                           "(a pass that is off has no stage)")
-        return found[0]
-
-    @property
-    def forward(self) -> Schedule:
-        return self.final.forward
-
-    @property
-    def backward(self) -> Schedule:
-        return self.final.backward
-
-    @property
-    def prediction(self) -> Prediction:
-        return self.final.prediction
-
-    @property
-    def schedules(self) -> list[Schedule]:
-        """The final forward and backward schedule, in run order."""
-        return self.final.schedules
-
-    def plans(self) -> str:
-        """The bucket plan and the reorder plan of both graphs, as text (what ``plan.txt`` holds)."""
-        sections = [f"{_PLAN_HEADINGS[stage.name]}\n{stage.forward_plan}\n{stage.backward_plan}\n"
-                    for stage in self.stages[1:]]
-        return "\n".join(sections) or "no passes applied (buckets=None, reorder=False): the graphs run as traced\n"
-
-    def summary(self) -> str:
-        """The text summary: one row per stage, the plans, then the final graphs' predictions and collectives."""
-        table = stage_table(self.stage_records())
-        final = text_summary(f"{self.final.name} graphs (what runs)", self.schedules, self.prediction, self.hardware)
-        if ft := self.fault_tolerant:
-            sync = ft["replica_sync"] + (f" --outer-quantize {ft['outer_quantize']}" if ft["outer_quantize"] else "")
-            table += (f"fault-tolerant: {ft['replica_groups']} replica groups, --replica-sync {sync}: "
-                      f"{ft['exchange_bytes'] / 2**20:.2f} MiB exchanged per rank every {ft['exchange_every']} step(s)"
-                      f" (torchft, not overlapped): {ft['exchange_seconds'] * 1e3:.3f} ms; cross-group bytes per step "
-                      f"{ft['bytes_per_step']:,.0f}; step {ft['step_seconds'] * 1e3:.3f} ms\n")
-        return f"{self.title}\n{self.symbolic_sizes()}{table}\n{self.plans()}\n{final}"
-
-    def symbolic_sizes(self) -> str:
-        """A line naming each symbolic size and the hint it is priced at; empty when every size is static."""
-        symbols = {**self.forward.symbols, **self.backward.symbols}
-        hints = ", ".join(f"{symbol}={hint}" for symbol, hint in sorted(symbols.items()))
-        return f"symbolic sizes, priced at their hints: {hints}\n" if symbols else ""
-
-    def stage_records(self) -> list[dict]:
-        """Per stage, what ``summary.json`` lists: collectives, wire bytes per rank (``ir.cost_model.wire_bytes``),
-        predicted step and exposed communication in seconds, peak bytes, tokens per second per device."""
-        return [dict(
-            name=stage.name, collectives=sum(len(schedule.collectives()) for schedule in stage.schedules),
-            wire_bytes=sum(wire_bytes(node.collective) for schedule in stage.schedules
-                           for node in schedule.collectives()),
-            step_seconds=stage.prediction.step_time, exposed_comm_seconds=stage.prediction.exposed_communication,
-            peak_bytes=stage.prediction.memory.peak_bytes,
-            tokens_per_second_per_device=self.tokens / stage.prediction.step_time,
-        ) for stage in self.stages]
-
-    def save(self, directory: str | Path) -> list[Path]:
-        """Write the final graphs (forward.py, backward.py), each stage's graphs (``forward.0-traced.py``, ...),
-        plan.txt, summary.txt, summary.json, trace.json and, when matplotlib is installed, timeline.png;
-        return their paths."""
-        folder = Path(directory)
-        folder.mkdir(parents=True, exist_ok=True)
-        contents = {"forward.py": self.forward.code, "backward.py": self.backward.code}
-        for index, stage in enumerate(self.stages):
-            for schedule in stage.schedules:
-                contents[f"{schedule.phase}.{index}-{stage.name}.py"] = schedule.code
-        contents.update({
-            "plan.txt": self.plans(),
-            "summary.txt": self.summary(),
-            "summary.json": json.dumps({"stages": self.stage_records(), "fault_tolerant": self.fault_tolerant},
-                                       indent=2) + "\n",
-            "trace.json": chrome_trace(self.schedules, self.prediction, self.hardware),
-        })
-        for name, text in contents.items():
-            (folder / name).write_text(text)
-        paths = [folder / name for name in contents]
-        if not plots.missing():
-            paths.append(plots.timeline_chart(folder / "timeline.png", self.title, self.schedules, self.prediction,
-                                              self.hardware))
-        return paths
 
 
 def inspect(
@@ -188,6 +61,7 @@ def inspect(
     dynamic: bool = False,
     activation_checkpointing: str = "none",
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    target: torch.Tensor | None = None,
     quantize: Quantize | None = None,
     replica_groups: int = 1,
     replica_sync: dict | None = None,
@@ -207,7 +81,8 @@ def inspect(
     ``buckets="auto"``. The pass options and ``quantize`` are ``compile_sharded``'s. ``dynamic`` traces sizes as
     symbols, priced at ``example_inputs``' sizes.
     ``activation_checkpointing`` (``none``, ``selective``, ``full``) checkpoints each of ``model.layers`` as ``train``.
-    ``loss_fn(output, *example_inputs)``, when given, is traced after the model, so the step includes its loss.
+    ``loss_fn(output, *example_inputs)`` (``loss_fn(output, target)`` with a ``target``), when given, is traced after
+    the model, so the step includes its loss. A Hugging Face model is traced with ``use_cache=False`` (a note says so).
     ``replica_groups`` > 1 prices ``train --fault-tolerant``: that many groups of ``world_size`` ranks exchanging
     after backward as ``replica_sync`` says (``replica_sync_price``'s keywords; default: averaging gradient shards).
     ``tp`` > 1 prices FSDP x TP on a ``(world_size // tp, tp)`` mesh: ``parallelize_module`` with ``tp_plan``
@@ -232,12 +107,14 @@ def inspect(
     with FakeTensorMode() if device == "cuda" else contextlib.nullcontext():
         copy_model = _empty_copy(model, device)
         copy_inputs = tuple(_empty(x, device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
-    if activation_checkpointing != "none" and not hasattr(copy_model, "layers"):
-        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} checkpoints each block of model."
-                         f"layers, and {type(model).__name__} has no layers; pass activation_checkpointing='none'")
-    apply_activation_checkpointing(getattr(copy_model, "layers", []), activation_checkpointing)
+        copy_target = None if target is None else _empty(target, device)
+    notes = _without_cache(copy_model)
+    if activation_checkpointing != "none" and not find_blocks(copy_model):
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} checkpoints each repeated block, and "
+                         f"{type(model).__name__} has none; pass activation_checkpointing='none'")
+    apply_activation_checkpointing(blocks(copy_model), activation_checkpointing)
     if loss_fn is not None:  # the copy's forward, as checkpointing wraps a block's: module names do not change
-        copy_model.forward = functools.partial(_forward_and_loss, copy_model.forward, loss_fn)
+        copy_model.forward = functools.partial(_forward_and_loss, copy_model.forward, loss_fn, copy_target)
     with fake_world(world_size, rank), cyclic_gc_paused():
         mesh_device = "cuda" if device == "cuda" else "cpu"
         if tp > 1:
@@ -273,7 +150,7 @@ def inspect(
         fault_tolerant = replica_sync_price(shards, replica_groups, world_size, profile, **(replica_sync or {}))
         fault_tolerant["step_seconds"] = stages[-1].prediction.step_time + fault_tolerant["seconds_per_step"]
     # the ranks of a tensor-parallel group compute on the same tokens
-    return InspectReport(title, stages, profile, _tokens(example_inputs) // tp, fault_tolerant)
+    return InspectReport(title, stages, profile, _tokens(example_inputs) // tp, fault_tolerant, notes)
 
 
 def _tokens(example_inputs: tuple) -> int:
@@ -341,27 +218,37 @@ def _empty_copy(model: nn.Module, device: str) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _forward_and_loss(forward: Callable, loss_fn: Callable, *inputs) -> torch.Tensor:
-    return loss_fn(forward(*inputs), *inputs)
+def _forward_and_loss(forward: Callable, loss_fn: Callable, target: torch.Tensor | None, *inputs) -> torch.Tensor:
+    return loss_fn(forward(*inputs), *inputs) if target is None else loss_fn(forward(*inputs), target)
 
 
-def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``train``'s loss: cross-entropy of predicting each next token, in fp32, written as the log-softmax and gather
-    that ``F.cross_entropy`` runs (its ``nll_loss`` has no autograd kernel on the meta device)."""
-    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return -log_probs.gather(-1, tokens[:, 1:, None]).mean()
+def _without_cache(model: nn.Module) -> tuple[str, ...]:
+    """Turn off a Hugging Face model's key-value cache (``config.use_cache``), which training never reads and
+    Dynamo cannot trace on fake tensors; the note saying so, if it was on."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        return ()
+    config.use_cache = False
+    return ("traced with use_cache=False: Hugging Face's key-value cache serves generation, and training reads none",)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Trace the named model with no data (``--device``), run the passes, print the summary, write ``--out``."""
-    config = get_config(args.model)
-    seq_len = args.seq_len or config.max_seq_len
-    if args.batch_size < 1 or not 1 <= seq_len <= config.max_seq_len:
+    try:
+        workload = load_workload(args.model, args.layers)
+    except ValueError as error:
+        raise SystemExit(f"simplefsdp inspect: {error}") from None
+    longest = workload.max_seq_len
+    seq_len = args.seq_len or longest
+    if seq_len is None:
+        raise SystemExit(f"simplefsdp inspect: --model {args.model} names no longest sequence; pass --seq-len N")
+    if args.batch_size < 1 or seq_len < 1 or longest and seq_len > longest:
         raise SystemExit(f"simplefsdp inspect: --batch-size must be at least 1 and --seq-len between 1 and "
-                         f"{config.max_seq_len} (the maximum of {args.model})")
+                         f"{longest} (the maximum of {args.model})")
     with torch.device("meta"):
-        model = build_model(args.model, n_layers=args.layers)
+        model = workload.build(seed=0)
     tokens = torch.zeros(args.batch_size, seq_len, dtype=torch.long, device="meta")
+    inputs, target = workload.user_batch(0, args.rank, args.batch_size) if workload.user_batch else ((tokens,), tokens)
     try:
         device = check_device(get_profile(args.hardware), args.device)
         name = f"{args.model} (layers={args.layers})" if args.layers else args.model
@@ -371,11 +258,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                  f"{args.batch_size}x{seq_len} tokens per {per}, params {str(args.param_dtype).removeprefix('torch.')},"
                  f" activation checkpointing {args.activation_checkpointing}, traced on {device}")
         report = inspect(
-            model, (tokens,), world_size=args.world_size, rank=args.rank, mode=args.mode, hardware=args.hardware,
+            model, inputs, world_size=args.world_size, rank=args.rank, mode=args.mode, hardware=args.hardware,
             mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
             reshard_after_forward=args.reshard_after_forward, buckets=args.buckets, reorder=args.reorder,
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
-            activation_checkpointing=args.activation_checkpointing, loss_fn=_next_token_loss,
+            activation_checkpointing=args.activation_checkpointing, loss_fn=workload.loss, target=target,
             quantize=quantize_option(args),
             replica_groups=args.replica_groups, device=device, tp=args.tp, compile_blocks_once=args.compile_blocks_once,
             replica_sync=dict(

@@ -12,17 +12,16 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from simplefsdp import plots
 from simplefsdp.api import check_precompile, compile_sharded
-from simplefsdp.data import load_tokens, rank_batch, step_seq_len
+from simplefsdp.data import step_seq_len
 from simplefsdp.ir.hardware import cpu_profile
 from simplefsdp.ir.replica_sync import replica_sync_problem
 from simplefsdp.mfu import peak_flops_per_second, step_flops
-from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.models.llama_tp import check_tensor_parallel, parallelize_llama
+from simplefsdp.models.workload import Workload, blocks, load_workload, micro_batches
 from simplefsdp.optim import DeMo, DiLoCo, GaLoreAdamW, state_bytes
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
@@ -39,6 +38,8 @@ from simplefsdp.runtime.quantize import quantize_option
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Exit with a message naming the bad option and the fix; runs before any rank starts."""
+    if reason := workload_problem(args):
+        fail(reason)
     for option in ("nproc", "steps", "batch_size", "seq_len", "grad_accum"):
         if getattr(args, option) < 1:
             fail(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
@@ -67,6 +68,20 @@ def check_arguments(args: argparse.Namespace) -> None:
         fail(reason)
     if args.precompile and (reason := precompile_problem(args)):
         fail(reason)
+
+
+def workload_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--model`` cannot train as asked (with the fix), or None."""
+    try:
+        workload = load_workload(args.model, args.layers)
+    except ValueError as error:
+        return str(error)
+    if workload.config is None and (args.init_on_meta or args.tp != 1):
+        return (f"--init-on-meta and --tp take the reference models (their init_weights and TP plan); for --model "
+                f"{args.model} drop them")
+    if workload.config is None and args.optimizer == "galore" and not args.galore_rank and not workload.width:
+        return f"--optimizer galore: name the subspace's rank for --model {args.model} with --galore-rank R"
+    return None
 
 
 def precompile_problem(args: argparse.Namespace) -> str | None:
@@ -106,7 +121,7 @@ def tensor_parallel_problem(args: argparse.Namespace) -> str | None:
     world = int(os.environ["WORLD_SIZE"]) if is_launched_rank() else args.nproc
     try:
         check_tensor_parallel_world(world, args.tp, args.mode)
-        check_tensor_parallel(get_config(args.model), args.tp)
+        check_tensor_parallel(load_workload(args.model).config, args.tp)
     except ValueError as error:
         return f"--tp {args.tp}: {error}"
     if args.fault_tolerant or args.init_on_meta:
@@ -163,20 +178,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     os._exit(0)
 
 
-def build(args: argparse.Namespace) -> torch.nn.Module:
+def build(args: argparse.Namespace, workload: Workload) -> torch.nn.Module:
     """The sharded model, initialized from ``--seed`` the same way with or without ``--init-on-meta``."""
     with torch.device("meta" if args.init_on_meta else "cpu"):
-        model = build_model(args.model, n_layers=args.layers)
-    if not args.init_on_meta:
-        torch.manual_seed(args.seed)
-        model.init_weights()
+        model = workload.build(args.seed)
     mesh = None
     if args.tp > 1:  # TP first, as torchtitan: the plan names the modules before checkpointing wraps them
         mesh_2d = init_device_mesh(device_type(), (dist.get_world_size() // args.tp, args.tp),
                                    mesh_dim_names=("dp", "tp"))
         parallelize_llama(model, mesh_2d["tp"])
         mesh = mesh_2d["dp"]
-    apply_activation_checkpointing(model.layers, args.activation_checkpointing)
+    apply_activation_checkpointing(blocks(model), args.activation_checkpointing)
     compile_sharded(
         model, mesh=mesh, mode=args.mode, mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
         reshard_after_forward=args.reshard_after_forward, compile=args.compile, backend=args.backend,
@@ -189,9 +201,9 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     return model
 
 
-def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(args: argparse.Namespace, model: torch.nn.Module, width: int | None) -> torch.optim.Optimizer:
     """``--optimizer``: fused AdamW (one kernel per step instead of a dozen foreach ops, each paying DTensor's
-    dispatch: torchtitan's default), or GaLoreAdamW at ``--galore-rank`` (the model's dim / 4 by default); under
+    dispatch: torchtitan's default), or GaLoreAdamW at ``--galore-rank`` (``width / 4`` by default); under
     ``--fault-tolerant``, ``--replica-sync demo`` or ``diloco`` brings its own (DeMo; DiLoCo over fused AdamW)."""
     if args.fault_tolerant and args.replica_sync == "demo":
         return DeMo(model.parameters(), lr=args.lr, chunk=args.demo_chunk, top_k=args.demo_top_k)
@@ -200,39 +212,34 @@ def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.o
                       outer_momentum=args.outer_momentum, outer_quantize=args.outer_quantize, fused=True)
     if args.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
-    rank = args.galore_rank or get_config(args.model).dim // 4
+    rank = args.galore_rank or width // 4
     return GaLoreAdamW(model.parameters(), lr=args.lr, rank=rank, update_every=args.galore_update_every,
                        seed=args.seed, projector_dtype=args.galore_projector_dtype,
                        shard_projector=args.galore_shard_projector)
-
-
-def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``, computed in fp32."""
-    logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
 
 def train(args: argparse.Namespace) -> None:
     """The training loop of one rank; rank 0 prints progress and a closing summary."""
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build(args)
+    workload = load_workload(args.model, args.layers)
+    model = build(args, workload)
     dp_rank, dp_world = rank // args.tp, world // args.tp  # a tensor-parallel group trains one batch
     num_params = sum(p.numel() for p in model.parameters())
-    optimizer = build_optimizer(args, model)
+    optimizer = build_optimizer(args, model, workload.width)
     replicas = ReplicaGroup(model, optimizer, args.replica_group, args.replica_groups, args.lighthouse,
                             sync=args.replica_sync) if args.fault_tolerant else None
     data_rank, data_world = ((args.replica_group * world + rank, args.replica_groups * world) if replicas
                              else (dp_rank, dp_world))
-    tokens = load_tokens(args.data, args.seed)
+    tokens = workload.tokens(model, args.data, args.seed)
     device = next(model.parameters()).device
     say = print_line if rank == 0 else (lambda *_, **__: None)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * dp_world
     flops_per_step, peak = (step_flops(args.model, args.layers, args.batch_size, args.seq_len) * args.grad_accum
                             * dp_world, peak_flops_per_second(device, args.param_dtype or torch.float32)
-                            ) if rank == 0 else (0, None)
+                            ) if rank == 0 and workload.config else (0, None)
     layout = f"mesh (dp {dp_world}, tp {args.tp})" if args.tp > 1 else f"mode {args.mode}"
-    say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params in {len(model.layers)} layers) on {world} "
+    say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params in {len(blocks(model))} blocks) on {world} "
         f"rank(s), {layout}, {args.grad_accum} x {args.batch_size}x{args.seq_len} tokens per "
         f"{'dp ' * (args.tp > 1)}rank per step")
 
@@ -253,14 +260,14 @@ def train(args: argparse.Namespace) -> None:
     begin = time.perf_counter()  # a step's time includes its quorum under --fault-tolerant
     for step in replicas.steps(start, args.steps) if replicas else range(start + 1, args.steps + 1):
         seq_len = step_seq_len(step, args.seq_len, args.seed) if args.variable_seq_len else args.seq_len
-        batch = rank_batch(tokens, step, args.batch_size * args.grad_accum, seq_len, args.seed, data_rank, data_world)
+        batch = workload.batch(tokens, step, args.batch_size * args.grad_accum, seq_len, args.seed, data_rank,
+                               data_world)
         graphs = compiled_graphs() if args.compile else 0
         trained.append(step)
-        micro_batches = batch.to(device).chunk(args.grad_accum)
         loss_sum = torch.zeros((), device=device)
-        for index, micro in enumerate(micro_batches):
-            model.set_requires_gradient_sync(reduce_every or index == len(micro_batches) - 1)
-            loss = next_token_loss(model, micro) / args.grad_accum
+        for index, (inputs, target) in enumerate(micro_batches(batch, args.grad_accum, device)):
+            model.set_requires_gradient_sync(reduce_every or index == args.grad_accum - 1)
+            loss = workload.loss(model(*inputs), target) / args.grad_accum
             loss.backward()
             loss_sum += loss.detach()
         if replicas:
@@ -293,7 +300,7 @@ def train(args: argparse.Namespace) -> None:
             note += "" if committed else "  not committed"
         say(f"step {step:4d}/{args.steps}  loss {losses[-1]:.4f}  "
             f"{share * tokens_per_step / step_times[-1]:10,.0f} tok/s  "
-            f"MFU {mfus[-1]:6.2%}  {step_times[-1]:.3f} s{grad_note}{note}", flush=True)
+            f"{_mfu(mfus[-1])}  {step_times[-1]:.3f} s{grad_note}{note}", flush=True)
         saves = committed and not (replicas and args.replica_group and args.replica_sync == "step")
         due = step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
         if args.checkpoint_dir and saves and due:
@@ -322,6 +329,11 @@ def summarize(say, args, start, losses, step_times, mfus, tokens_per_step, world
     median = statistics.median(step_times[steady])
     say(f"summary: loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start + 1}-{args.steps}; first step "
         f"{step_times[0]:.1f} s; median step {median:.3f} s; {tokens_per_step / median:,.0f} tok/s total, "
-        f"{tokens_per_step / world / median:,.0f} tok/s per rank; MFU {statistics.median(mfus[steady]):.2%}; "
+        f"{tokens_per_step / world / median:,.0f} tok/s per rank; {_mfu(statistics.median(mfus[steady]))}; "
         f"peak RSS rank 0 {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB")
     say(f"optimizer state bytes per rank: {state_bytes(optimizer)}")
+
+
+def _mfu(mfu: float) -> str:
+    """``MFU 12.34%``, or ``MFU n/a`` where the model's FLOPs or the device's peak are unknown."""
+    return "MFU    n/a" if mfu != mfu else f"MFU {mfu:6.2%}"

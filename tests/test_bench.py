@@ -1,4 +1,5 @@
-"""``simplefsdp bench``: a real 2-rank run of the debug model (structure and loss parity, not speed)."""
+"""``simplefsdp bench``: a real 2-rank run of every contender on a Hugging Face Llama (structure and loss parity, not
+speed)."""
 
 from __future__ import annotations
 
@@ -12,23 +13,27 @@ from pathlib import Path
 
 import pytest
 from charts import png_size
+from transformers import LlamaConfig
 
+from simplefsdp.bench.contenders import CONTENDER_NAMES
 from simplefsdp.bench.profiling import allocation_delta
 from simplefsdp.bench.report import format_table
 from simplefsdp.bench.report import check_parity
 from simplefsdp.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTENDERS = ["fsdp2-eager", "simplefsdp", "simplefsdp-int8", "local"]
 
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """One bench run: debug model, 2 gloo ranks, 3 measured steps, aot_eager (bitwise parity)."""
+    """One bench run of every contender: a Hugging Face Llama from its config.json alone (``--model hf:DIR``, as a
+    user brings one), 2 gloo ranks, 3 measured steps, aot_eager (bitwise parity)."""
     out = tmp_path_factory.mktemp("bench")
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=300, architectures=["LlamaForCausalLM"]).save_pretrained(out / "llama")
     command = [
-        sys.executable, "-m", "simplefsdp", "bench", "--model", "debug", "--nproc", "2", "--steps", "3",
-        "--warmup", "1", "--seq-len", "32", "--backend", "aot_eager", "--only", ",".join(CONTENDERS),
+        sys.executable, "-m", "simplefsdp", "bench", "--model", f"hf:{out / 'llama'}", "--nproc", "2", "--steps", "3",
+        "--warmup", "1", "--seq-len", "32", "--backend", "aot_eager",
         "--json", str(out / "bench.json"), "--plot", str(out / "bench.png"),
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ)
@@ -39,9 +44,9 @@ def bench_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 def test_bench_writes_json_table_and_chart(bench_run):
     out, done = bench_run
     results = json.loads((out / "bench.json").read_text())
-    assert results["world_size"] == 2 and results["model"] == "debug" and results["steps"] == 3
+    assert results["world_size"] == 2 and results["model"] == f"hf:{out / 'llama'}" and results["steps"] == 3
     assert set(results["methods"]) == {"step_time", "peak_memory", "collectives", "comm", "wire", "wait"}
-    assert [row["name"] for row in results["rows"]] == CONTENDERS
+    assert [row["name"] for row in results["rows"]] == CONTENDER_NAMES
     for row in results["rows"]:
         assert row["status"] == "ok", row
         assert len(row["step_times_s"]) == 3 and len(row["losses"]) == 4 and len(row["last_loss_per_rank"]) == 2
@@ -54,9 +59,10 @@ def test_bench_writes_json_table_and_chart(bench_run):
     assert rows["local"]["collectives_per_step"] == 0
     assert rows["simplefsdp"]["collectives_per_step"] > 0 and rows["simplefsdp"]["wait_ms_per_step"] is not None
     assert rows["fsdp2-eager"]["collectives_per_step"] > 0 and rows["fsdp2-eager"]["wait_ms_per_step"] is None
-    assert "| contender |" in done.stdout and "| simplefsdp |" in done.stdout
+    assert "| contender |" in done.stdout and "step × FSDP2+compile" in done.stdout
+    assert all(f"| {name} | " in done.stdout for name in CONTENDER_NAMES)
     assert "loss parity: ok: simplefsdp vs fsdp2-eager" in done.stdout and "bitwise" in done.stdout
-    assert png_size(out / "bench.png") == (900, 500)  # two panels of four bars
+    assert png_size(out / "bench.png") == (900, 780)  # two panels of eight bars
     assert "Warning" not in done.stderr, done.stderr
 
 

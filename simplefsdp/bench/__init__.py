@@ -16,7 +16,7 @@ from pathlib import Path
 from simplefsdp import plots
 from simplefsdp.bench.measure import measure
 from simplefsdp.bench.report import report
-from simplefsdp.models.llama import get_config
+from simplefsdp.models.workload import load_workload
 from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks
 
 
@@ -35,8 +35,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return report(json.loads(path.read_text()), args.json, args.plot)
     if min(args.nproc, args.steps, args.warmup, args.batch_size, args.seq_len) < 1:
         _fail("--nproc, --steps, --warmup, --batch-size and --seq-len must be at least 1")
-    longest = get_config(args.model).max_seq_len
-    if args.seq_len > longest:
+    try:
+        longest = load_workload(args.model, args.layers).max_seq_len
+    except ValueError as error:
+        _fail(str(error))
+    if longest and args.seq_len > longest:
         _fail(f"--seq-len {args.seq_len} is longer than {args.model} supports; use --seq-len {longest} or less")
     command = shlex.join(["python", "-m", "simplefsdp", *argv])
     if is_launched_rank():

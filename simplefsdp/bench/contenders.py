@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from simplefsdp.api import compile_sharded
+from simplefsdp.passes.bucket_plan import find_blocks
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 from simplefsdp.runtime.quantize import Quantize, quantize_option
 
@@ -43,10 +44,12 @@ def _fsdp2(model: nn.Module, args: argparse.Namespace, compile_blocks: bool = Fa
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp_policy = MixedPrecisionPolicy(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
-    for index, block in enumerate(model.layers):
+    for name in find_blocks(model):  # torchtitan's order: the compiled block replaces the block, then is sharded
+        block = model.get_submodule(name)
         if compile_blocks:
+            parent, _, child = name.rpartition(".")
             block = torch.compile(block, backend=args.backend)
-            model.layers[index] = block
+            model.get_submodule(parent).register_module(child, block)
         fully_shard(block, mp_policy=mp_policy)
     return fully_shard(model, mp_policy=mp_policy)
 

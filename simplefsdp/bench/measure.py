@@ -16,11 +16,9 @@ from torch import nn
 
 from simplefsdp.bench.contenders import CONTENDERS, Contender
 from simplefsdp.bench.profiling import WINDOW, read_profile
-from simplefsdp.data import load_tokens, rank_batch
-from simplefsdp.models.llama import build_model
+from simplefsdp.models.workload import Batch, Workload, load_workload, micro_batches
 from simplefsdp.runtime.grad_sync import reduces_every_micro_batch
 from simplefsdp.runtime.mesh import device_type, init_distributed
-from simplefsdp.train import next_token_loss
 
 METHODS = {
     "step_time": "wall time of forward+backward+optimizer step, slowest rank, median and quartiles over the measured "
@@ -40,25 +38,25 @@ METHODS = {
 }
 
 
-def build(contender: Contender, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(contender: Contender, args: argparse.Namespace, workload: Workload
+          ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model built from ``--seed`` and wrapped by ``contender``, with its optimizer."""
-    torch.manual_seed(args.seed)
-    model = contender.wrap(build_model(args.model, n_layers=args.layers).to(device_type()), args)
+    model = contender.wrap(workload.build(args.seed).to(device_type()), args)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)  # as train (torchtitan's default)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, micro_batches: int = 1,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn, count: int = 1,
                reduce_every: bool = False) -> float:
-    """Forward and backward on each of ``micro_batches`` slices of ``batch``, gradients reduced after the last only
-    (FSDP2's ``set_requires_gradient_sync``, ours, DDP's ``no_sync``) or, with ``reduce_every``, after each; then
-    the optimizer step. The loss, after the device finished the step."""
-    chunks, loss = batch.chunk(micro_batches), 0.0
-    for index, micro_batch in enumerate(chunks):
+    """Forward, ``loss_fn(output, target)`` and backward on each of ``count`` slices of ``batch``, gradients reduced
+    after the last only (FSDP2's ``set_requires_gradient_sync``, ours, DDP's ``no_sync``) or, with
+    ``reduce_every``, after each; then the optimizer step. The loss, after the device finished the step."""
+    chunks, loss = micro_batches(batch, count, device_type()), 0.0
+    for index, (inputs, target) in enumerate(chunks):
         sync = reduce_every or index == len(chunks) - 1
         if hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(sync)
         with contextlib.nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync():
-            micro_loss = next_token_loss(model, micro_batch) / len(chunks)
+            micro_loss = loss_fn(model(*inputs), target) / len(chunks)
             micro_loss.backward()
         loss = loss + micro_loss.detach()
     optimizer.step()
@@ -76,11 +74,10 @@ def accumulation(contender: Contender, args: argparse.Namespace) -> tuple[int, b
     return args.grad_accum, simplefsdp and reduces_every_micro_batch(args.grad_accum_reduce, mode)
 
 
-def step_batch(args: argparse.Namespace, tokens: torch.Tensor, step: int) -> torch.Tensor:
+def step_batch(args: argparse.Namespace, workload: Workload, tokens: torch.Tensor, step: int) -> Batch:
     """This rank's batch of ``step``: the same for every contender."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    return rank_batch(tokens, step, args.batch_size * args.grad_accum, args.seq_len, args.seed, rank, world
-                      ).to(device_type())
+    return workload.batch(tokens, step, args.batch_size * args.grad_accum, args.seq_len, args.seed, rank, world)
 
 
 def gather(values: list[float]) -> torch.Tensor:
@@ -94,16 +91,18 @@ def gather(values: list[float]) -> torch.Tensor:
 class TimedRun:
     """One contender's model and optimizer on this rank, with each step's time and loss."""
 
-    def __init__(self, contender: Contender, args: argparse.Namespace, tokens: torch.Tensor) -> None:
-        self.contender, self.args, self.tokens = contender, args, tokens
-        self.model, self.optimizer = build(contender, args)
+    def __init__(self, contender: Contender, args: argparse.Namespace, workload: Workload, tokens: torch.Tensor
+                 ) -> None:
+        self.contender, self.args, self.workload, self.tokens = contender, args, workload, tokens
+        self.model, self.optimizer = build(contender, args, workload)
         self.times, self.losses = [], []
 
     def step(self, step: int) -> None:
-        batch = step_batch(self.args, self.tokens, step)
+        batch = step_batch(self.args, self.workload, self.tokens, step)
         dist.barrier()
         start = time.perf_counter()
-        self.losses.append(train_step(self.model, self.optimizer, batch, *accumulation(self.contender, self.args)))
+        self.losses.append(train_step(self.model, self.optimizer, batch, self.workload.loss,
+                                      *accumulation(self.contender, self.args)))
         self.times.append(time.perf_counter() - start)
 
     def warm_up(self) -> None:
@@ -135,22 +134,22 @@ class TimedRun:
         }
 
 
-def profile_pass(contender: Contender, args: argparse.Namespace, tokens: torch.Tensor) -> dict:
+def profile_pass(contender: Contender, args: argparse.Namespace, workload: Workload, tokens: torch.Tensor) -> dict:
     """A fresh copy trains two steps under torch.profiler (memory events on); the second, untimed, is read."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     gc.collect()
     before = torch.cuda.memory_allocated() if device_type() == "cuda" else 0
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
-        model, optimizer = build(contender, args)
+        model, optimizer = build(contender, args, workload)
         for step in (1, 2):
-            batch = step_batch(args, tokens, step)
+            batch = step_batch(args, workload, tokens, step)
             dist.barrier()
             if device_type() == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             gc.collect()
             with record_function(WINDOW if step == 2 else "warm-up"):
-                train_step(model, optimizer, batch, *accumulation(contender, args))
+                train_step(model, optimizer, batch, workload.loss, *accumulation(contender, args))
         cuda_peak = torch.cuda.max_memory_allocated() - before if device_type() == "cuda" else None
         del model, optimizer
     counts = read_profile(prof, dist.get_backend(), dist.get_world_size())
@@ -175,7 +174,10 @@ def measure(args: argparse.Namespace) -> dict | None:
     # Every compiled contender's graphs stay cached side by side (each one's own classes keep
     # their guards apart); the default limit of 8 entries per code object is too few for that.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    tokens = load_tokens(None, args.seed)
+    workload = load_workload(args.model, args.layers)
+    with torch.device("meta"):
+        shapes = workload.build(args.seed)
+    tokens = workload.tokens(shapes, None, args.seed)
     selected = [contender for contender in CONTENDERS if args.only is None or contender.name in args.only]
     rows = {c.name: {"name": c.name, "summary": c.summary, "distributed": c.distributed, "status": "ok"}
             for c in selected}
@@ -183,7 +185,7 @@ def measure(args: argparse.Namespace) -> dict | None:
     for index, contender in enumerate(selected, 1):
         say(f"[{index}/{len(selected)}] {contender.name}: {contender.summary}: warming up ...", flush=True)
         try:
-            timed[contender.name] = TimedRun(contender, args, tokens)
+            timed[contender.name] = TimedRun(contender, args, workload, tokens)
             timed[contender.name].warm_up()
         except Exception as error:  # a contender that cannot run here becomes a row with the reason
             timed.pop(contender.name, None)
@@ -205,7 +207,7 @@ def measure(args: argparse.Namespace) -> dict | None:
         row = rows[contender.name]
         if row["status"] == "ok":
             try:
-                row.update(profile_pass(contender, args, tokens))
+                row.update(profile_pass(contender, args, workload, tokens))
             except Exception as error:
                 _failed(row, error)
             dist.barrier()
@@ -219,7 +221,7 @@ def measure(args: argparse.Namespace) -> dict | None:
         "process_group_backend": "nccl" if device_type() == "cuda" else "gloo", "world_size": world,
         **{option: getattr(args, option) for option in ("model", "steps", "warmup", "batch_size", "seq_len", "seed",
                                                           "grad_accum", "grad_accum_reduce")},
-        "parameters": sum(p.numel() for p in build_model(args.model, n_layers=args.layers).parameters()),
+        "parameters": sum(p.numel() for p in shapes.parameters()),
         **{name: str(dtype).removeprefix("torch.") if dtype else None
            for name, dtype in (("param_dtype", args.param_dtype), ("reduce_dtype", args.reduce_dtype))},
         "compile_backend": args.backend, "optimizer": f"AdamW(lr={args.lr}, fused=True)", "methods": METHODS,

@@ -74,11 +74,13 @@ def _workload(results: dict) -> str:
 
 
 def format_table(results: dict) -> str:
-    """The results as a Markdown table with ratios to FSDP2 eager (and to ``local`` for step time)."""
+    """The results as a Markdown table with ratios to FSDP2 eager (and to FSDP2 with compile and to ``local`` for
+    step time)."""
     rows = {row["name"]: row for row in results["rows"]}
     ok = {name: row for name, row in rows.items() if row["status"] == "ok"}
-    ref, local = ok.get(REFERENCE), ok.get("local")
-    header = ["contender", "step s (median)", "step s (q1–q3)", "step × FSDP2", "step × local", "tok/s/rank",
+    ref, compiled, local = ok.get(REFERENCE), ok.get("fsdp2-compile"), ok.get("local")
+    header = ["contender", "step s (median)", "step s (q1–q3)", "step × FSDP2", "step × FSDP2+compile",
+              "step × local", "tok/s/rank",
               "peak MiB/rank", "mem × FSDP2", "collectives/step", "wire MiB/step (× FSDP2)",
               "comm ms/step", "wait ms/step", "warm-up s", "last loss", "Δ loss vs FSDP2"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -92,6 +94,7 @@ def format_table(results: dict) -> str:
         cells = [
             name, f"{median:.4f}", f"{row['step_time_s']['q1']:.4f}–{row['step_time_s']['q3']:.4f}",
             _ratio(median, ref and ref["step_time_s"]["median"]),
+            _ratio(median, compiled and compiled["step_time_s"]["median"]),
             _ratio(median, local and local["step_time_s"]["median"]),
             f"{row['tokens_per_s_per_rank']:,.0f}", f"{peak / 2**20:.1f}",
             _ratio(peak, ref and ref["peak_bytes_per_rank"]),
