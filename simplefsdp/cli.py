@@ -13,13 +13,7 @@ import sys
 
 import torch
 
-from simplefsdp.bench.contenders import CONTENDER_NAMES
-from simplefsdp.ir.hardware import PROFILE_NAMES
-from simplefsdp.models.llama import CONFIGS
-from simplefsdp.runtime.activation_checkpoint import AC_MODES
-from simplefsdp.runtime.fake_world import DEVICES
-from simplefsdp.runtime.fault_tolerance import SYNC_MODES
-from simplefsdp.runtime.mesh import MODES
+from simplefsdp.names import AC_MODES, CONTENDER_NAMES, DEVICES, MODEL_NAMES, MODES, PROFILE_NAMES, SYNC_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUCKETS = {"auto": "auto", "block": "block", "none": None}
@@ -55,7 +49,7 @@ def contenders_arg(text: str) -> list[str]:
 def _workload(model: str, batch_size: int, seq_len: int | None, dtypes: tuple) -> argparse.ArgumentParser:
     """--model, --batch-size, --seq-len, --param-dtype and --reduce-dtype, with one command's defaults."""
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--model", default=model, choices=sorted(CONFIGS), help=f"reference model ({model})")
+    parser.add_argument("--model", default=model, choices=MODEL_NAMES, help=f"reference model ({model})")
     parser.add_argument("--layers", type=_at_least_one, default=None,
                         help="transformer blocks (default: the named model's count)")
     parser.add_argument("--batch-size", type=int, default=batch_size,

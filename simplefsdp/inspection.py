@@ -33,6 +33,7 @@ from simplefsdp.ir.replica_sync import replica_sync_price, replica_sync_problem
 from simplefsdp.ir.schedule import Schedule
 from simplefsdp.ir.simulator import Prediction, simulate
 from simplefsdp.models.llama import Llama, build_model, get_config
+from simplefsdp.names import DEVICES, MODES
 from simplefsdp.models.llama_tp import check_tensor_parallel, tensor_parallel_plan
 from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan, find_blocks
 from simplefsdp.passes.install import OverlapPasses
@@ -40,8 +41,8 @@ from simplefsdp.passes.options import check_pass_options
 from simplefsdp.passes.region_inputs import recompute_region_inputs
 from simplefsdp.passes.reorder import ReorderPlan
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
-from simplefsdp.runtime.fake_world import DEVICES, fake_world
-from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES, check_tensor_parallel_world, data_parallel_groups
+from simplefsdp.runtime.fake_world import fake_world
+from simplefsdp.runtime.mesh import MESH_DIM_NAMES, check_tensor_parallel_world, data_parallel_groups
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 from simplefsdp.runtime.quantize import Quantize, quantize_option
 from simplefsdp.runtime.sharding import check_not_sharded

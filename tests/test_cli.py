@@ -13,7 +13,11 @@ import networkx as nx
 import pytest
 from charts import png_size
 
+from simplefsdp import names
+from simplefsdp.bench.contenders import CONTENDERS
 from simplefsdp.cli import main
+from simplefsdp.ir.hardware import BUILT_IN
+from simplefsdp.models.llama import CONFIGS
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -37,6 +41,12 @@ def test_the_launcher_loads_no_compiler_and_an_eager_model_no_inductor_compiler(
                               capture_output=True, text=True, timeout=120)
     modules_loaded = compiled.stdout.splitlines()[-1]
     assert modules_loaded == "['torch._dynamo', 'torch._inductor.compile_fx']", compiled.stderr[-3000:]
+
+
+def test_the_command_lines_names_agree_with_the_modules_that_use_them():
+    assert names.MODEL_NAMES == tuple(CONFIGS)
+    assert names.PROFILE_NAMES == (*BUILT_IN, "cpu")
+    assert names.CONTENDER_NAMES == tuple(contender.name for contender in CONTENDERS)
 
 
 def test_train_on_two_ranks_from_a_text_file_announces_compilation_and_plots_the_loss_without_warnings(tmp_path):
@@ -111,7 +121,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_import_graph_sees_function_level_imports():
     graph = import_graph()
-    assert "simplefsdp.bench.contenders" in graph["simplefsdp.cli"]  # a module-level import
+    assert "simplefsdp.names" in graph["simplefsdp.cli"]  # a module-level import
     assert "simplefsdp.runtime.sharding" in graph["simplefsdp.inspection"]
 
 

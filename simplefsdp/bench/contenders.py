@@ -82,4 +82,3 @@ CONTENDERS = [
     Contender("local", "one process per rank, its own per-rank batch, no communication, compiled (full precision)",
               _local, distributed=False),
 ]
-CONTENDER_NAMES = [contender.name for contender in CONTENDERS]
