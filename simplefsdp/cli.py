@@ -1,7 +1,7 @@
 """The ``simplefsdp`` command line: ``train``, ``inspect`` and ``bench``, each option shared by several defined once.
 
-Each command runs a library module's ``run`` on the parsed options, importing that module only then (``--help`` and a
-launcher stay light); those modules never import this one.
+The parser is built from plain names (``simplefsdp.names``), so ``--help`` imports no torch; each command runs a
+library module's ``run`` on the parsed options, importing that module only then. Those modules never import this one.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ import importlib
 import os
 import sys
 
-import torch
+from simplefsdp.names import (AC_MODES, CONTENDER_NAMES, DEVICES, DTYPE_NAMES, MODEL_NAMES, MODES, PROFILE_NAMES,
+                              SYNC_MODES)
 
-from simplefsdp.names import AC_MODES, CONTENDER_NAMES, DEVICES, MODEL_NAMES, MODES, PROFILE_NAMES, SYNC_MODES
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: name for name in DTYPE_NAMES}  # parsed to names: the command modules turn them into torch dtypes
 BUCKETS = {"auto": "auto", "block": "block", "none": None}
 
 
@@ -57,7 +56,7 @@ def _workload(model: str, batch_size: int, seq_len: int | None, dtypes: tuple) -
     parser.add_argument("--seq-len", type=int, default=seq_len,
                         help=f"tokens per sequence ({seq_len or 'the maximum'})")
     for option, default, use in zip(("--param-dtype", "--reduce-dtype"), dtypes, ("gather and compute", "gradient")):
-        shown = str(default).removeprefix("torch.") if default else "the parameter's own"
+        shown = default or "the parameter's own"
         parser.add_argument(option, type=_choice(DTYPES, "dtype"), default=default,
                             metavar="{" + ",".join(DTYPES) + "}", help=f"{use} dtype ({shown})")
     parser.add_argument("--quantize-gather", choices=["int8"], help="send weight all-gathers in this format")
@@ -177,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     command.set_defaults(module="simplefsdp.train")
 
     command = commands.add_parser("inspect", help="trace a reference model at any world size and predict its step",
-                                  parents=[_workload("llama3-8b", 1, None, (torch.bfloat16, torch.float32)),
+                                  parents=[_workload("llama3-8b", 1, None, ("bfloat16", "float32")),
                                            _sharding(), _replica_sync()])
     command.add_argument("--world-size", type=int, default=8, help="ranks to shard over (traced in this process)")
     command.add_argument("--rank", type=int, default=0, help="the rank of the world whose graphs are traced")

@@ -33,7 +33,7 @@ from simplefsdp.runtime.grad_sync import reduces_every_micro_batch
 from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks, launch_replica_groups
 from simplefsdp.runtime.mesh import check_tensor_parallel_world, device_type, init_distributed
 from simplefsdp.runtime.meta_init import materialize_sharded
-from simplefsdp.runtime.mixed_precision import MixedPrecision
+from simplefsdp.runtime.mixed_precision import dtype_named, mixed_precision_option
 from simplefsdp.runtime.quantize import quantize_option
 
 
@@ -178,7 +178,7 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
         mesh = mesh_2d["dp"]
     apply_activation_checkpointing(model.layers, args.activation_checkpointing)
     compile_sharded(
-        model, mesh=mesh, mode=args.mode, mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
+        model, mesh=mesh, mode=args.mode, mp_policy=mixed_precision_option(args),
         reshard_after_forward=args.reshard_after_forward, compile=args.compile, backend=args.backend,
         buckets=args.buckets, reorder=args.reorder, prefetch=args.prefetch, memory_budget=args.memory_budget,
         quantize=quantize_option(args), compile_blocks_once=args.compile_blocks_once, precompile=args.precompile,
@@ -202,7 +202,7 @@ def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.o
         return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     rank = args.galore_rank or get_config(args.model).dim // 4
     return GaLoreAdamW(model.parameters(), lr=args.lr, rank=rank, update_every=args.galore_update_every,
-                       seed=args.seed, projector_dtype=args.galore_projector_dtype,
+                       seed=args.seed, projector_dtype=dtype_named(args.galore_projector_dtype),
                        shard_projector=args.galore_shard_projector)
 
 
@@ -229,7 +229,7 @@ def train(args: argparse.Namespace) -> None:
     say = print_line if rank == 0 else (lambda *_, **__: None)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * dp_world
     flops_per_step, peak = (step_flops(args.model, args.layers, args.batch_size, args.seq_len) * args.grad_accum
-                            * dp_world, peak_flops_per_second(device, args.param_dtype or torch.float32)
+                            * dp_world, peak_flops_per_second(device, dtype_named(args.param_dtype) or torch.float32)
                             ) if rank == 0 else (0, None)
     layout = f"mesh (dp {dp_world}, tp {args.tp})" if args.tp > 1 else f"mode {args.mode}"
     say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params in {len(model.layers)} layers) on {world} "

@@ -43,6 +43,20 @@ def test_the_launcher_loads_no_compiler_and_an_eager_model_no_inductor_compiler(
     assert modules_loaded == "['torch._dynamo', 'torch._inductor.compile_fx']", compiled.stderr[-3000:]
 
 
+@pytest.mark.parametrize("command", ["", "train", "inspect", "bench"])
+def test_help_imports_no_torch(command):
+    """``python -m simplefsdp [COMMAND] --help`` builds its parser from plain names: it answers at once."""
+    code = ("import runpy, sys; sys.argv = ['simplefsdp', *sys.argv[1:], '--help']\n"
+            "try: runpy.run_module('simplefsdp', run_name='__main__')\n"
+            "except SystemExit: pass\n"
+            "print('loaded:', sorted(name for name in sys.modules if name.split('.')[0] == 'torch'))")
+    result = subprocess.run([sys.executable, "-c", code, *command.split()], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: simplefsdp {command}".rstrip()), result.stdout
+    assert result.stdout.splitlines()[-1] == "loaded: []"
+
+
 def test_the_command_lines_names_agree_with_the_modules_that_use_them():
     assert names.MODEL_NAMES == tuple(CONFIGS)
     assert names.PROFILE_NAMES == (*BUILT_IN, "cpu")

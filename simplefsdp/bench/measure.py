@@ -218,10 +218,9 @@ def measure(args: argparse.Namespace) -> dict | None:
         "device": device_type(), "cpu_cores": os.cpu_count(), "load_average": os.getloadavg(),
         "process_group_backend": "nccl" if device_type() == "cuda" else "gloo", "world_size": world,
         **{option: getattr(args, option) for option in ("model", "steps", "warmup", "batch_size", "seq_len", "seed",
-                                                          "grad_accum", "grad_accum_reduce")},
+                                                          "grad_accum", "grad_accum_reduce", "param_dtype",
+                                                          "reduce_dtype")},
         "parameters": sum(p.numel() for p in build_model(args.model, n_layers=args.layers).parameters()),
-        **{name: str(dtype).removeprefix("torch.") if dtype else None
-           for name, dtype in (("param_dtype", args.param_dtype), ("reduce_dtype", args.reduce_dtype))},
         "compile_backend": args.backend, "optimizer": f"AdamW(lr={args.lr}, fused=True)", "methods": METHODS,
         "rows": list(rows.values()),
     }
