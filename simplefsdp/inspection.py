@@ -355,7 +355,10 @@ def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Trace the named model with no data (``--device``), run the passes, print the summary, write ``--out``."""
-    config = get_config(args.model)
+    try:
+        config = get_config(args.model)
+    except ValueError as error:
+        raise SystemExit(f"simplefsdp inspect: --model: {error}") from None
     seq_len = args.seq_len or config.max_seq_len
     if args.batch_size < 1 or not 1 <= seq_len <= config.max_seq_len:
         raise SystemExit(f"simplefsdp inspect: --batch-size must be at least 1 and --seq-len between 1 and "

@@ -39,6 +39,10 @@ from simplefsdp.runtime.quantize import quantize_option
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Exit with a message naming the bad option and the fix; runs before any rank starts."""
+    try:
+        get_config(args.model)
+    except ValueError as error:
+        fail(f"--model: {error}")
     for option in ("nproc", "steps", "batch_size", "seq_len", "grad_accum"):
         if getattr(args, option) < 1:
             fail(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")

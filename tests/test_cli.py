@@ -3,6 +3,7 @@ no import cycles, the CLI imported by no library module, no file over 400 lines.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
 import subprocess
@@ -15,7 +16,7 @@ from charts import png_size
 
 from simplefsdp import names
 from simplefsdp.bench.contenders import CONTENDERS
-from simplefsdp.cli import main
+from simplefsdp.cli import build_parser, main
 from simplefsdp.ir.hardware import BUILT_IN
 from simplefsdp.models.llama import CONFIGS
 
@@ -57,10 +58,50 @@ def test_help_imports_no_torch(command):
     assert result.stdout.splitlines()[-1] == "loaded: []"
 
 
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    subparsers = next(action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction))
+    return subparsers.choices
+
+
+def help_entries(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each option's entry in ``parser``'s help as a user reads it, on one line, by its first option string."""
+    entries, option = {}, None
+    for line in parser.format_help().splitlines():
+        if line.startswith("  -"):
+            option = line.split()[0].rstrip(",")
+            entries[option] = line.strip()
+        elif line.startswith("   ") and option:
+            entries[option] += " " + line.strip()
+    return entries
+
+
+@pytest.mark.parametrize("command", ["train", "inspect", "bench"])
+def test_every_option_is_in_a_named_group_with_help_that_shows_its_default(command):
+    parser = command_parsers()[command]
+    ungrouped = [action.dest for group in parser._action_groups if group.title == "options"
+                 for action in group._group_actions]
+    assert ungrouped == ["help"]
+    entries = help_entries(parser)
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or action.dest == "help":
+            continue
+        assert action.help, action.option_strings
+        if action.nargs != 0:  # a flag is off unless given; any other option says what it is without it
+            assert "(default: " in entries[action.option_strings[0]], entries[action.option_strings[0]]
+
+
 def test_the_command_lines_names_agree_with_the_modules_that_use_them():
     assert names.MODEL_NAMES == tuple(CONFIGS)
     assert names.PROFILE_NAMES == (*BUILT_IN, "cpu")
     assert names.CONTENDER_NAMES == tuple(contender.name for contender in CONTENDERS)
+
+
+def test_model_takes_any_name_and_an_unknown_one_is_refused_before_anything_runs(capsys):
+    assert build_parser().parse_args(["train", "--model", "my_models.tiny:build"]).model == "my_models.tiny:build"
+    for command in ("inspect", "bench"):
+        with pytest.raises(SystemExit, match=f"simplefsdp {command}: --model: unknown model 'gpt5'; choose one of: "
+                                             "debug, cpu-small"):
+            main([command, "--model", "gpt5"])
 
 
 def test_train_on_two_ranks_from_a_text_file_announces_compilation_and_plots_the_loss_without_warnings(tmp_path):

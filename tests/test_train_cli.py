@@ -40,6 +40,7 @@ def train(*options: str, kill: str | None = None, step_sleep: float = 0, timeout
 @pytest.mark.parametrize(
     "options, message",
     [
+        (["--model", "gpt5"], "--model: unknown model 'gpt5'; choose one of: debug, cpu-small"),
         (["--grad-accum", "0"], "--grad-accum must be at least 1, got 0"),
         (["--resume", "--checkpoint-dir", "/nonexistent/run"], "no checkpoint to resume from in /nonexistent/run"),
         (["--resume"], "--resume needs --checkpoint-dir"),

@@ -35,7 +35,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return report(json.loads(path.read_text()), args.json, args.plot)
     if min(args.nproc, args.steps, args.warmup, args.batch_size, args.seq_len) < 1:
         _fail("--nproc, --steps, --warmup, --batch-size and --seq-len must be at least 1")
-    longest = get_config(args.model).max_seq_len
+    try:
+        longest = get_config(args.model).max_seq_len
+    except ValueError as error:
+        _fail(f"--model: {error}")
     if args.seq_len > longest:
         _fail(f"--seq-len {args.seq_len} is longer than {args.model} supports; use --seq-len {longest} or less")
     command = shlex.join(["python", "-m", "simplefsdp", *argv])
