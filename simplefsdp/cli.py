@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-from simplefsdp.names import (AC_MODES, CONTENDER_NAMES, DEVICES, DTYPE_NAMES, MODEL_NAMES, MODES,
+from simplefsdp.names import (AC_MODES, CONTENDER_NAMES, DEFAULT_LR, DEVICES, DTYPE_NAMES, MODEL_NAMES, MODES,
                               PROFILE_NAMES, SYNC_MODES)
 
 BUCKETS = {"auto": "auto", "block": "block", "none": None}
@@ -125,14 +125,15 @@ def _accumulation(groups: dict) -> None:
              "for replicate and hybrid_shard)")
 
 
-def _local_ranks(groups: dict) -> None:
+def _local_ranks(groups: dict, optimizers: tuple[str, ...]) -> None:
     """What a command that runs ranks shares: their number, seed, learning rate and compiler backend."""
     groups["sharding"].add_argument("--nproc", type=int, default=2, metavar="N",
                                     help="local ranks to launch (ignored under torchrun)")
     groups["model and data"].add_argument("--seed", type=int, default=0, metavar="N",
                                           help="seeds the initial weights, the batches and any other draw")
-    groups["optimizer"].add_argument("--lr", type=float, default=1e-3, metavar="LR",
-                                     help="the optimizer's learning rate")
+    rates = ", ".join(f"{DEFAULT_LR[name]:g} with {name}" for name in optimizers)
+    groups["optimizer"].add_argument("--lr", type=float, default=None, metavar="LR",
+                                     help=f"the optimizer's learning rate (default: {rates})")
     groups["compile and passes"].add_argument("--backend", default="inductor", metavar="NAME",
                                               help="torch.compile backend")
 
@@ -160,7 +161,7 @@ def _train(command: argparse.ArgumentParser) -> None:
     _workload(groups, "cpu-small", 4, 128, (None, None))
     _sharding(groups)
     _accumulation(groups)
-    _local_ranks(groups)
+    _local_ranks(groups, tuple(DEFAULT_LR))
     _replica_sync(groups)
     group = groups["model and data"]
     group.add_argument("--data", default=None, metavar="PATH",
@@ -177,7 +178,7 @@ def _train(command: argparse.ArgumentParser) -> None:
                        help="train until this step (counting resumed steps)")
     group.add_argument("--max-norm", type=float, default=None, metavar="NORM",
                        help="clip the total gradient norm to this value (default: no clipping)")
-    group.add_argument("--optimizer", default="adamw", choices=("adamw", "galore"),
+    group.add_argument("--optimizer", default="adamw", choices=list(DEFAULT_LR),
                        help="AdamW, or GaLore 2's low-rank projected AdamW on 2-D weights (simplefsdp.optim)")
     group.add_argument("--galore-rank", type=int, default=None, metavar="R",
                        help="with --optimizer galore: the subspace's rank (default: the model's dim / 4)")
@@ -247,7 +248,7 @@ def _bench(command: argparse.ArgumentParser) -> None:
                      "optimizer", "output")
     _workload(groups, "cpu-small", 4, 128, (None, None))
     _accumulation(groups)
-    _local_ranks(groups)
+    _local_ranks(groups, ("adamw",))
     group = groups["contenders and measurement"]
     group.add_argument("--only", type=contenders_arg, default=None, metavar="NAME[,NAME]",
                        help=f"the contenders to run, of: {', '.join(CONTENDER_NAMES)} (default: all)")

@@ -14,3 +14,6 @@ MODES = ("fully_shard", "replicate", "hybrid_shard")  # compile_sharded's layout
 AC_MODES = ("none", "full", "selective")  # activation checkpointing per block
 DEVICES = ("meta", "cuda")  # what a fake world traces on: the meta device, or fake CUDA tensors
 SYNC_MODES = ("step", "demo", "diloco")  # what crosses fault-tolerant replica groups
+# train's optimizers, each with its learning rate without --lr: torchtitan's AdamW default; GaLore's recommended
+# rate for small Llamas (its update is scaled by 0.25; benchmarks/galore.md)
+DEFAULT_LR = {"adamw": 1e-3, "galore": 1e-2}

@@ -23,6 +23,7 @@ from simplefsdp.ir.replica_sync import replica_sync_problem
 from simplefsdp.mfu import peak_flops_per_second, step_flops
 from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.models.llama_tp import check_tensor_parallel, parallelize_llama
+from simplefsdp.names import DEFAULT_LR
 from simplefsdp.optim import DeMo, DiLoCo, GaLoreAdamW, state_bytes
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
@@ -197,17 +198,23 @@ def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.o
     """``--optimizer``: fused AdamW (one kernel per step instead of a dozen foreach ops, each paying DTensor's
     dispatch: torchtitan's default), or GaLoreAdamW at ``--galore-rank`` (the model's dim / 4 by default); under
     ``--fault-tolerant``, ``--replica-sync demo`` or ``diloco`` brings its own (DeMo; DiLoCo over fused AdamW)."""
+    lr = learning_rate(args.lr, args.optimizer)
     if args.fault_tolerant and args.replica_sync == "demo":
-        return DeMo(model.parameters(), lr=args.lr, chunk=args.demo_chunk, top_k=args.demo_top_k)
+        return DeMo(model.parameters(), lr=lr, chunk=args.demo_chunk, top_k=args.demo_top_k)
     if args.fault_tolerant and args.replica_sync == "diloco":
-        return DiLoCo(model.parameters(), lr=args.lr, sync_every=args.sync_every, outer_lr=args.outer_lr,
+        return DiLoCo(model.parameters(), lr=lr, sync_every=args.sync_every, outer_lr=args.outer_lr,
                       outer_momentum=args.outer_momentum, outer_quantize=args.outer_quantize, fused=True)
     if args.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+        return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     rank = args.galore_rank or get_config(args.model).dim // 4
-    return GaLoreAdamW(model.parameters(), lr=args.lr, rank=rank, update_every=args.galore_update_every,
+    return GaLoreAdamW(model.parameters(), lr=lr, rank=rank, update_every=args.galore_update_every,
                        seed=args.seed, projector_dtype=dtype_named(args.galore_projector_dtype),
                        shard_projector=args.galore_shard_projector)
+
+
+def learning_rate(lr: float | None, optimizer: str) -> float:
+    """``--lr``, else ``optimizer``'s rate in ``DEFAULT_LR`` (AdamW's 1e-3, GaLore's recommended 1e-2)."""
+    return DEFAULT_LR[optimizer] if lr is None else lr
 
 
 def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -239,6 +246,8 @@ def train(args: argparse.Namespace) -> None:
     say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params in {len(model.layers)} layers) on {world} "
         f"rank(s), {layout}, {args.grad_accum} x {args.batch_size}x{args.seq_len} tokens per "
         f"{'dp ' * (args.tp > 1)}rank per step")
+    if args.optimizer == "galore" and args.lr is None:
+        say(f"--optimizer galore: lr {DEFAULT_LR['galore']:g}, GaLore's recommended rate (pass --lr to change it)")
 
     start = 0
     if args.resume:

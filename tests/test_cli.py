@@ -90,6 +90,11 @@ def test_every_option_is_in_a_named_group_with_help_that_shows_its_default(comma
             assert "(default: " in entries[action.option_strings[0]], entries[action.option_strings[0]]
 
 
+def test_the_learning_rates_default_is_the_optimizers():
+    assert help_entries(command_parsers()["train"])["--lr"].endswith("(default: 0.001 with adamw, 0.01 with galore)")
+    assert help_entries(command_parsers()["bench"])["--lr"].endswith("(default: 0.001 with adamw)")
+
+
 def test_the_command_lines_names_agree_with_the_modules_that_use_them():
     assert names.MODEL_NAMES == tuple(CONFIGS)
     assert names.PROFILE_NAMES == (*BUILT_IN, "cpu")

@@ -20,7 +20,7 @@ from simplefsdp.data import load_tokens, rank_batch
 from simplefsdp.models.llama import build_model
 from simplefsdp.runtime.grad_sync import reduces_every_micro_batch
 from simplefsdp.runtime.mesh import device_type, init_distributed
-from simplefsdp.train import next_token_loss
+from simplefsdp.train import learning_rate, next_token_loss
 
 METHODS = {
     "step_time": "wall time of forward+backward+optimizer step, slowest rank, median and quartiles over the measured "
@@ -44,7 +44,8 @@ def build(contender: Contender, args: argparse.Namespace) -> tuple[nn.Module, to
     """The model built from ``--seed`` and wrapped by ``contender``, with its optimizer."""
     torch.manual_seed(args.seed)
     model = contender.wrap(build_model(args.model, n_layers=args.layers).to(device_type()), args)
-    return model, torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)  # as train (torchtitan's default)
+    lr = learning_rate(args.lr, "adamw")
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # as train (torchtitan's default)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, micro_batches: int = 1,
@@ -221,7 +222,8 @@ def measure(args: argparse.Namespace) -> dict | None:
                                                           "grad_accum", "grad_accum_reduce", "param_dtype",
                                                           "reduce_dtype")},
         "parameters": sum(p.numel() for p in build_model(args.model, n_layers=args.layers).parameters()),
-        "compile_backend": args.backend, "optimizer": f"AdamW(lr={args.lr}, fused=True)", "methods": METHODS,
+        "compile_backend": args.backend, "optimizer": f"AdamW(lr={learning_rate(args.lr, 'adamw')}, fused=True)",
+        "methods": METHODS,
         "rows": list(rows.values()),
     }
 
