@@ -33,8 +33,8 @@ RUNS = {"low_bit": {
                                        "--no-error-feedback"],
 }, "galore": {
     "AdamW": [],
-    "GaLore r=64, T=200": GALORE,
-    "GaLore r=64, T=200, sharded projector": [*GALORE, "--galore-shard-projector"],
+    "GaLore r=64, T=200": [*GALORE, "--lr", "1e-3"],  # AdamW's lr; GaLore's own (train's default for it) below
+    "GaLore r=64, T=200, sharded projector": [*GALORE, "--lr", "1e-3", "--galore-shard-projector"],
     "GaLore r=64, T=200, lr 1e-2": [*GALORE, "--lr", "1e-2"],  # GaLore's lr for its small Llamas (scale 0.25)
     "GaLore r=64, T=200, lr 1e-2, sharded projector": [*GALORE, "--lr", "1e-2", "--galore-shard-projector"],
     "GaLore r=64, T=200, lr 1e-2, bf16 projector": [*GALORE, "--lr", "1e-2", "--galore-projector-dtype", "bfloat16"],

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from simplefsdp.names import MODES
 from simplefsdp.passes.bucket_plan import BucketMode, find_blocks
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import checkpoint_hugging_face_layers_fully
@@ -17,7 +18,7 @@ from simplefsdp.runtime.agreed_profile import agreed_profile
 from simplefsdp.runtime.block_regions import block_regions_refusal, distinct_blocks
 from simplefsdp.runtime.hugging_face import refuse_saving_shards
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
-from simplefsdp.runtime.mesh import MODES, check_mesh, data_parallel_groups, default_mesh
+from simplefsdp.runtime.mesh import check_mesh, data_parallel_groups, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
 from simplefsdp.runtime.quantize import Quantize, check_read_once
 from simplefsdp.runtime.rank_agreement import agreement_groups, check_same_model_on_all_ranks, same_input_shapes

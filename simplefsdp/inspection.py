@@ -29,6 +29,7 @@ from simplefsdp.ir.replica_sync import replica_sync_price, replica_sync_problem
 from simplefsdp.ir.simulator import simulate
 from simplefsdp.inspect_report import InspectReport, InspectStage
 from simplefsdp.models.llama import Llama
+from simplefsdp.names import DEVICES, MODES
 from simplefsdp.models.llama_tp import check_tensor_parallel, tensor_parallel_plan
 from simplefsdp.models.workload import blocks, load_workload
 from simplefsdp.passes.bucket_plan import BucketMode, find_blocks
@@ -36,9 +37,9 @@ from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.passes.region_inputs import recompute_region_inputs
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
-from simplefsdp.runtime.fake_world import DEVICES, fake_world
-from simplefsdp.runtime.mesh import MESH_DIM_NAMES, MODES, check_tensor_parallel_world, data_parallel_groups
-from simplefsdp.runtime.mixed_precision import MixedPrecision
+from simplefsdp.runtime.fake_world import fake_world
+from simplefsdp.runtime.mesh import MESH_DIM_NAMES, check_tensor_parallel_world, data_parallel_groups
+from simplefsdp.runtime.mixed_precision import MixedPrecision, mixed_precision_option
 from simplefsdp.runtime.quantize import Quantize, quantize_option
 from simplefsdp.runtime.sharding import check_not_sharded
 
@@ -255,11 +256,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         layout, per = (f"tp {args.tp}, ", "tp group") if args.tp > 1 else ("", "rank")
         title = (f"{name}, {args.mode}, world {args.world_size}{f' (rank {args.rank})' if args.rank else ''}, "
                  f"{layout}hardware {args.hardware}, "
-                 f"{args.batch_size}x{seq_len} tokens per {per}, params {str(args.param_dtype).removeprefix('torch.')},"
+                 f"{args.batch_size}x{seq_len} tokens per {per}, params {args.param_dtype},"
                  f" activation checkpointing {args.activation_checkpointing}, traced on {device}")
         report = inspect(
             model, inputs, world_size=args.world_size, rank=args.rank, mode=args.mode, hardware=args.hardware,
-            mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
+            mp_policy=mixed_precision_option(args),
             reshard_after_forward=args.reshard_after_forward, buckets=args.buckets, reorder=args.reorder,
             prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
             activation_checkpointing=args.activation_checkpointing, loss_fn=workload.loss, target=target,

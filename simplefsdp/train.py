@@ -22,6 +22,7 @@ from simplefsdp.ir.replica_sync import replica_sync_problem
 from simplefsdp.mfu import peak_flops_per_second, step_flops
 from simplefsdp.models.llama_tp import check_tensor_parallel, parallelize_llama
 from simplefsdp.models.workload import Workload, blocks, load_workload, micro_batches
+from simplefsdp.names import DEFAULT_LR
 from simplefsdp.optim import DeMo, DiLoCo, GaLoreAdamW, state_bytes
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
@@ -32,7 +33,7 @@ from simplefsdp.runtime.grad_sync import reduces_every_micro_batch
 from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks, launch_replica_groups
 from simplefsdp.runtime.mesh import check_tensor_parallel_world, device_type, init_distributed
 from simplefsdp.runtime.meta_init import materialize_sharded
-from simplefsdp.runtime.mixed_precision import MixedPrecision
+from simplefsdp.runtime.mixed_precision import dtype_named, mixed_precision_option
 from simplefsdp.runtime.quantize import quantize_option
 
 
@@ -190,7 +191,7 @@ def build(args: argparse.Namespace, workload: Workload) -> torch.nn.Module:
         mesh = mesh_2d["dp"]
     apply_activation_checkpointing(blocks(model), args.activation_checkpointing)
     compile_sharded(
-        model, mesh=mesh, mode=args.mode, mp_policy=MixedPrecision(args.param_dtype, args.reduce_dtype),
+        model, mesh=mesh, mode=args.mode, mp_policy=mixed_precision_option(args),
         reshard_after_forward=args.reshard_after_forward, compile=args.compile, backend=args.backend,
         buckets=args.buckets, reorder=args.reorder, prefetch=args.prefetch, memory_budget=args.memory_budget,
         quantize=quantize_option(args), compile_blocks_once=args.compile_blocks_once, precompile=args.precompile,
@@ -205,17 +206,23 @@ def build_optimizer(args: argparse.Namespace, model: torch.nn.Module, width: int
     """``--optimizer``: fused AdamW (one kernel per step instead of a dozen foreach ops, each paying DTensor's
     dispatch: torchtitan's default), or GaLoreAdamW at ``--galore-rank`` (``width / 4`` by default); under
     ``--fault-tolerant``, ``--replica-sync demo`` or ``diloco`` brings its own (DeMo; DiLoCo over fused AdamW)."""
+    lr = learning_rate(args.lr, args.optimizer)
     if args.fault_tolerant and args.replica_sync == "demo":
-        return DeMo(model.parameters(), lr=args.lr, chunk=args.demo_chunk, top_k=args.demo_top_k)
+        return DeMo(model.parameters(), lr=lr, chunk=args.demo_chunk, top_k=args.demo_top_k)
     if args.fault_tolerant and args.replica_sync == "diloco":
-        return DiLoCo(model.parameters(), lr=args.lr, sync_every=args.sync_every, outer_lr=args.outer_lr,
+        return DiLoCo(model.parameters(), lr=lr, sync_every=args.sync_every, outer_lr=args.outer_lr,
                       outer_momentum=args.outer_momentum, outer_quantize=args.outer_quantize, fused=True)
     if args.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+        return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     rank = args.galore_rank or width // 4
-    return GaLoreAdamW(model.parameters(), lr=args.lr, rank=rank, update_every=args.galore_update_every,
-                       seed=args.seed, projector_dtype=args.galore_projector_dtype,
+    return GaLoreAdamW(model.parameters(), lr=lr, rank=rank, update_every=args.galore_update_every,
+                       seed=args.seed, projector_dtype=dtype_named(args.galore_projector_dtype),
                        shard_projector=args.galore_shard_projector)
+
+
+def learning_rate(lr: float | None, optimizer: str) -> float:
+    """``--lr``, else ``optimizer``'s rate in ``DEFAULT_LR`` (AdamW's 1e-3, GaLore's recommended 1e-2)."""
+    return DEFAULT_LR[optimizer] if lr is None else lr
 
 
 def train(args: argparse.Namespace) -> None:
@@ -236,12 +243,14 @@ def train(args: argparse.Namespace) -> None:
     say = print_line if rank == 0 else (lambda *_, **__: None)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * dp_world
     flops_per_step, peak = (step_flops(args.model, args.layers, args.batch_size, args.seq_len) * args.grad_accum
-                            * dp_world, peak_flops_per_second(device, args.param_dtype or torch.float32)
+                            * dp_world, peak_flops_per_second(device, dtype_named(args.param_dtype) or torch.float32)
                             ) if rank == 0 and workload.config else (0, None)
     layout = f"mesh (dp {dp_world}, tp {args.tp})" if args.tp > 1 else f"mode {args.mode}"
     say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params in {len(blocks(model))} blocks) on {world} "
         f"rank(s), {layout}, {args.grad_accum} x {args.batch_size}x{args.seq_len} tokens per "
         f"{'dp ' * (args.tp > 1)}rank per step")
+    if args.optimizer == "galore" and args.lr is None:
+        say(f"--optimizer galore: lr {DEFAULT_LR['galore']:g}, GaLore's recommended rate (pass --lr to change it)")
 
     start = 0
     if args.resume:

@@ -3,6 +3,7 @@ no import cycles, the CLI imported by no library module, no file over 400 lines.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
 import subprocess
@@ -13,7 +14,11 @@ import networkx as nx
 import pytest
 from charts import png_size
 
-from simplefsdp.cli import main
+from simplefsdp import names
+from simplefsdp.bench.contenders import CONTENDERS
+from simplefsdp.cli import build_parser, main
+from simplefsdp.ir.hardware import BUILT_IN
+from simplefsdp.models.llama import CONFIGS
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -37,6 +42,71 @@ def test_the_launcher_loads_no_compiler_and_an_eager_model_no_inductor_compiler(
                               capture_output=True, text=True, timeout=120)
     modules_loaded = compiled.stdout.splitlines()[-1]
     assert modules_loaded == "['torch._dynamo', 'torch._inductor.compile_fx']", compiled.stderr[-3000:]
+
+
+@pytest.mark.parametrize("command", ["", "train", "inspect", "bench"])
+def test_help_imports_no_torch(command):
+    """``python -m simplefsdp [COMMAND] --help`` builds its parser from plain names: it answers at once."""
+    code = ("import runpy, sys; sys.argv = ['simplefsdp', *sys.argv[1:], '--help']\n"
+            "try: runpy.run_module('simplefsdp', run_name='__main__')\n"
+            "except SystemExit: pass\n"
+            "print('loaded:', sorted(name for name in sys.modules if name.split('.')[0] == 'torch'))")
+    result = subprocess.run([sys.executable, "-c", code, *command.split()], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: simplefsdp {command}".rstrip()), result.stdout
+    assert result.stdout.splitlines()[-1] == "loaded: []"
+
+
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    subparsers = next(action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction))
+    return subparsers.choices
+
+
+def help_entries(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each option's entry in ``parser``'s help as a user reads it, on one line, by its first option string."""
+    entries, option = {}, None
+    for line in parser.format_help().splitlines():
+        if line.startswith("  -"):
+            option = line.split()[0].rstrip(",")
+            entries[option] = line.strip()
+        elif line.startswith("   ") and option:
+            entries[option] += " " + line.strip()
+    return entries
+
+
+@pytest.mark.parametrize("command", ["train", "inspect", "bench"])
+def test_every_option_is_in_a_named_group_with_help_that_shows_its_default(command):
+    parser = command_parsers()[command]
+    ungrouped = [action.dest for group in parser._action_groups if group.title == "options"
+                 for action in group._group_actions]
+    assert ungrouped == ["help"]
+    entries = help_entries(parser)
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or action.dest == "help":
+            continue
+        assert action.help, action.option_strings
+        if action.nargs != 0:  # a flag is off unless given; any other option says what it is without it
+            assert "(default: " in entries[action.option_strings[0]], entries[action.option_strings[0]]
+
+
+def test_the_learning_rates_default_is_the_optimizers():
+    assert help_entries(command_parsers()["train"])["--lr"].endswith("(default: 0.001 with adamw, 0.01 with galore)")
+    assert help_entries(command_parsers()["bench"])["--lr"].endswith("(default: 0.001 with adamw)")
+
+
+def test_the_command_lines_names_agree_with_the_modules_that_use_them():
+    assert names.MODEL_NAMES == tuple(CONFIGS)
+    assert names.PROFILE_NAMES == (*BUILT_IN, "cpu")
+    assert names.CONTENDER_NAMES == tuple(contender.name for contender in CONTENDERS)
+
+
+def test_model_takes_any_name_and_an_unknown_one_is_refused_before_anything_runs(capsys):
+    assert build_parser().parse_args(["train", "--model", "my_models.tiny:build"]).model == "my_models.tiny:build"
+    for command in ("train", "inspect", "bench"):
+        with pytest.raises(SystemExit, match=rf"simplefsdp {command}: --model gpt5: not a reference model \(debug, "
+                                             r"cpu-small, .*\), hf:PATH .* or package.module:function"):
+            main([command, "--model", "gpt5"])
 
 
 def test_train_on_two_ranks_from_a_text_file_announces_compilation_and_plots_the_loss_without_warnings(tmp_path):
@@ -111,7 +181,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_import_graph_sees_function_level_imports():
     graph = import_graph()
-    assert "simplefsdp.bench.contenders" in graph["simplefsdp.cli"]  # a module-level import
+    assert "simplefsdp.names" in graph["simplefsdp.cli"]  # a module-level import
     assert "simplefsdp.runtime.sharding" in graph["simplefsdp.inspection"]
 
 

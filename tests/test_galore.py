@@ -157,7 +157,7 @@ def test_bad_rank_is_refused():
 def test_train_with_galore_resumes_exactly_across_a_refresh_and_reports_its_state(tmp_path):
     """``train --optimizer galore`` (accumulation and clipping on, bf16 projectors) saved at step 2 and resumed
     trains step 3 with the projectors of step 1 and step 4 across a refresh, to the same bytes as a straight run, and
-    prints its state size (AdamW's: test_train_cli)."""
+    prints its state size (AdamW's: test_train_cli) and, without --lr, GaLore's recommended rate it trains at."""
     galore = ["--optimizer", "galore", "--galore-update-every", "3", "--galore-projector-dtype", "bfloat16"]
     killed, straight = tmp_path / "resumed", tmp_path / "straight"
     assert train(*galore, "--steps", "2", "--checkpoint-dir", str(killed)).returncode == 0
@@ -168,6 +168,7 @@ def test_train_with_galore_resumes_exactly_across_a_refresh_and_reports_its_stat
     rank = get_config("debug").dim // 4
     state_bytes = expected_state_bytes("galore", rank, projector_bytes=2)
     assert f"optimizer state bytes per rank: {state_bytes}\n" in whole.stdout
+    assert "--optimizer galore: lr 0.01, GaLore's recommended rate (pass --lr to change it)\n" in whole.stdout
     assert_same_checkpoint(checkpoint_path(straight, 4), checkpoint_path(killed, 4), tmp_path)
     assert expected_state_bytes("galore", rank, projector_bytes=2) < expected_state_bytes("galore", rank) \
         < 0.6 * expected_state_bytes("adamw", rank)

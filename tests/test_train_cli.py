@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from simplefsdp.cli import main
 from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.runtime.checkpoint import checkpoint_path, latest_checkpoint
+from simplefsdp.train import learning_rate
 
 FAULT_INJECTION = Path(__file__).parent / "fault_injection"
 TRAIN = ["--model", "debug", "--nproc", "2", "--no-compile", "--grad-accum", "2", "--max-norm", "0.5",
@@ -40,6 +41,7 @@ def train(*options: str, kill: str | None = None, step_sleep: float = 0, timeout
 @pytest.mark.parametrize(
     "options, message",
     [
+        (["--model", "gpt5"], "--model gpt5: not a reference model"),
         (["--grad-accum", "0"], "--grad-accum must be at least 1, got 0"),
         (["--resume", "--checkpoint-dir", "/nonexistent/run"], "no checkpoint to resume from in /nonexistent/run"),
         (["--resume"], "--resume needs --checkpoint-dir"),
@@ -56,6 +58,12 @@ def train(*options: str, kill: str | None = None, step_sleep: float = 0, timeout
 def test_bad_input_is_rejected_before_any_rank_starts(options, message):
     with pytest.raises(SystemExit, match=message):
         main(["train", "--model", "debug", *options])
+
+
+def test_galore_without_lr_takes_its_recommended_rate_and_adamw_its_own():
+    assert learning_rate(None, "galore") == 1e-2
+    assert learning_rate(None, "adamw") == 1e-3
+    assert learning_rate(3e-4, "galore") == 3e-4
 
 
 def test_plot_without_matplotlib_names_the_extra_before_any_rank_starts(monkeypatch, tmp_path):

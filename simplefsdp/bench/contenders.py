@@ -12,7 +12,7 @@ from torch import nn
 
 from simplefsdp.api import compile_sharded
 from simplefsdp.passes.bucket_plan import find_blocks
-from simplefsdp.runtime.mixed_precision import MixedPrecision
+from simplefsdp.runtime.mixed_precision import mixed_precision_option
 from simplefsdp.runtime.quantize import Quantize, quantize_option
 
 REFERENCE = "fsdp2-eager"
@@ -34,16 +34,16 @@ class Contender:
 
 
 def _simplefsdp(model: nn.Module, args: argparse.Namespace, **options) -> nn.Module:
-    mp_policy = MixedPrecision(args.param_dtype, args.reduce_dtype)
     options.setdefault("quantize", quantize_option(args))
-    return compile_sharded(model, mp_policy=mp_policy, backend=args.backend, **options)
+    return compile_sharded(model, mp_policy=mixed_precision_option(args), backend=args.backend, **options)
 
 
 def _fsdp2(model: nn.Module, args: argparse.Namespace, compile_blocks: bool = False) -> nn.Module:
     """``fully_shard`` on each transformer block, then the root, as torchtitan applies it."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp_policy = MixedPrecisionPolicy(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
+    dtypes = mixed_precision_option(args)
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtypes.param_dtype, reduce_dtype=dtypes.reduce_dtype)
     for name in find_blocks(model):  # torchtitan's order: the compiled block replaces the block, then is sharded
         block = model.get_submodule(name)
         if compile_blocks:
@@ -85,4 +85,3 @@ CONTENDERS = [
     Contender("local", "one process per rank, its own per-rank batch, no communication, compiled (full precision)",
               _local, distributed=False),
 ]
-CONTENDER_NAMES = [contender.name for contender in CONTENDERS]

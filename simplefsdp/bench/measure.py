@@ -19,6 +19,7 @@ from simplefsdp.bench.profiling import WINDOW, read_profile
 from simplefsdp.models.workload import Batch, Workload, load_workload, micro_batches
 from simplefsdp.runtime.grad_sync import reduces_every_micro_batch
 from simplefsdp.runtime.mesh import device_type, init_distributed
+from simplefsdp.train import learning_rate
 
 METHODS = {
     "step_time": "wall time of forward+backward+optimizer step, slowest rank, median and quartiles over the measured "
@@ -42,7 +43,8 @@ def build(contender: Contender, args: argparse.Namespace, workload: Workload
           ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model built from ``--seed`` and wrapped by ``contender``, with its optimizer."""
     model = contender.wrap(workload.build(args.seed).to(device_type()), args)
-    return model, torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)  # as train (torchtitan's default)
+    lr = learning_rate(args.lr, "adamw")
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # as train (torchtitan's default)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn, count: int = 1,
@@ -220,11 +222,11 @@ def measure(args: argparse.Namespace) -> dict | None:
         "device": device_type(), "cpu_cores": os.cpu_count(), "load_average": os.getloadavg(),
         "process_group_backend": "nccl" if device_type() == "cuda" else "gloo", "world_size": world,
         **{option: getattr(args, option) for option in ("model", "steps", "warmup", "batch_size", "seq_len", "seed",
-                                                          "grad_accum", "grad_accum_reduce")},
+                                                          "grad_accum", "grad_accum_reduce", "param_dtype",
+                                                          "reduce_dtype")},
         "parameters": sum(p.numel() for p in shapes.parameters()),
-        **{name: str(dtype).removeprefix("torch.") if dtype else None
-           for name, dtype in (("param_dtype", args.param_dtype), ("reduce_dtype", args.reduce_dtype))},
-        "compile_backend": args.backend, "optimizer": f"AdamW(lr={args.lr}, fused=True)", "methods": METHODS,
+        "compile_backend": args.backend, "optimizer": f"AdamW(lr={learning_rate(args.lr, 'adamw')}, fused=True)",
+        "methods": METHODS,
         "rows": list(rows.values()),
     }
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from simplefsdp.names import PROFILE_NAMES
+
 
 @dataclass(frozen=True)
 class HardwareProfile:
@@ -87,7 +89,6 @@ A100 = _datasheet_gpu("a100", {"bfloat16": 312e12, "float16": 312e12, "float32":
 # H100 nodes joined by one 100 Gb/s Ethernet link per GPU (~11 GB/s through NCCL), where low-bit communication pays.
 H100_100G = dataclasses.replace(H100, name="h100-100g", inter_node_bandwidth=11e9)
 BUILT_IN = {"h100": H100, "a100": A100, "h100-100g": H100_100G}
-PROFILE_NAMES = (*BUILT_IN, "cpu")
 CACHE_DIR = Path(os.environ.get("SIMPLEFSDP_CACHE", Path.home() / ".cache" / "simplefsdp"))
 MEASURING_RANKS = 2
 # What a rank of the caller's own job (torchrun, train's ranks) set in the environment: not for our two ranks.

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-AC_MODES = ("none", "full", "selective")
+from simplefsdp.names import AC_MODES
 
 aten = torch.ops.aten
 SAVED_OPS = {

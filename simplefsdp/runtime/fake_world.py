@@ -7,8 +7,6 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-DEVICES = ("meta", "cuda")  # what a fake world traces on: the meta device, or fake CUDA tensors
-
 
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:

@@ -25,11 +25,11 @@ from torch import nn
 from torch.distributed.distributed_c10d import AllgatherOptions
 from torch.distributed.tensor import DTensor
 
+from simplefsdp.names import SYNC_MODES
 from simplefsdp.optim import DeMo, DiLoCo
 from simplefsdp.optim.galore import local
 
 INSTALL = "install it with: pip install 'simplefsdp[ft]' (torchft 0.2.0)"
-SYNC_MODES = ("step", "demo", "diloco")
 
 
 def check_lighthouse(address: str, wait_seconds: float = 10.0) -> None:

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MODES = ("fully_shard", "replicate", "hybrid_shard")
 MESH_DIM_NAMES = {"fully_shard": ("shard",), "replicate": ("replicate",), "hybrid_shard": ("replicate", "shard")}
 
 

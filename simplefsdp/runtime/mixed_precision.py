@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,16 @@ class MixedPrecision:
                     f"MixedPrecision({field}={dtype!r}) must be a floating-point torch.dtype, "
                     f"e.g. {field}=torch.bfloat16, or None to keep the parameter dtype"
                 )
+
+
+def dtype_named(name: str | None) -> torch.dtype | None:
+    """The torch dtype a command-line name (``bfloat16``) stands for; None for None."""
+    return None if name is None else getattr(torch, name)
+
+
+def mixed_precision_option(args: argparse.Namespace) -> MixedPrecision:
+    """The ``MixedPrecision`` the command line's ``--param-dtype`` and ``--reduce-dtype`` names ask for."""
+    return MixedPrecision(dtype_named(args.param_dtype), dtype_named(args.reduce_dtype))
 
 
 def cast_floating_inputs(module: nn.Module, dtype: torch.dtype) -> None:
