@@ -8,7 +8,6 @@ import networkx as nx
 import pytest
 import torch
 from charts import png_size
-from matplotlib.colors import to_hex
 from scenarios import TwoLinears
 from torch import nn
 
@@ -16,10 +15,8 @@ import simplefsdp
 from simplefsdp.cli import main
 from simplefsdp.ir.capture import TraceError
 from simplefsdp.ir.hardware import get_profile
-from simplefsdp.ir.render import byte_unit, format_bytes
 from simplefsdp.ir.schedule import COLLECTIVE, WAIT, read_schedule
 from simplefsdp.models.llama import build_model, get_config
-from simplefsdp.plots import timeline_figure
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 
 BF16_FP32 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -181,34 +178,6 @@ def test_save_writes_each_stage_plans_summaries_png_and_trace(fully_sharded, tra
     communication = [event for event in events if event.get("tid") == 1 and event["ph"] == "X"]
     assert len(communication) == len(fully_sharded.forward.collectives()) + len(fully_sharded.backward.collectives())
     assert (tmp_path / "summary.txt").read_text() == fully_sharded.summary()
-
-
-def test_timeline_names_each_colour_and_draws_the_predicted_waits_in_red_in_the_unit_of_the_peak(fully_sharded):
-    prediction = fully_sharded.prediction
-    figure = timeline_figure(fully_sharded.title, fully_sharded.schedules, prediction, fully_sharded.hardware)
-    assert [text.get_text() for text in figure.legends[0].get_texts()] == [
-        "forward compute", "backward compute", "all-gather (a bar per bucket)", "reduce-scatter (a bar per bucket)",
-        "exposed communication (compute waits)"]
-    lanes, _, *zooms = figure.axes
-    red = [bars for bars in lanes.collections if to_hex(bars.get_facecolor()[0]) == "#d62728"]
-    drawn = [ends for path in red[0].get_paths() for ends in (path.get_extents().x0, path.get_extents().x1)]
-    waits = prediction.exposed_intervals()
-    assert drawn and drawn == pytest.approx([end * 1e3 for interval in waits for end in interval])  # ms, as drawn
-    start, end = max(waits, key=lambda interval: interval[1] - interval[0])
-    assert any(zoom.get_xlim()[0] <= start * 1e3 and end * 1e3 <= zoom.get_xlim()[1] for zoom in zooms)
-    huge = dataclasses.replace(prediction, memory=dataclasses.replace(prediction.memory, peak_bytes=3 << 30))
-    for predicted, unit in ((prediction, "MiB"), (huge, "GiB")):  # the axis in the unit of the title's peak
-        figure = timeline_figure(fully_sharded.title, fully_sharded.schedules, predicted, fully_sharded.hardware)
-        assert figure.axes[1].get_ylabel() == f"live memory per rank ({unit})"
-        assert f"peak {format_bytes(predicted.memory.peak_bytes)}" in figure.get_suptitle()
-        assert format_bytes(predicted.memory.peak_bytes).endswith(unit)
-
-
-def test_byte_unit_is_the_unit_format_bytes_writes():
-    assert [byte_unit(size) for size in (1023, 1024, 3 << 20, 53 << 30)] == [
-        ("B", 1), ("KiB", 1024), ("MiB", 1 << 20), ("GiB", 1 << 30)]
-    assert [format_bytes(size) for size in (1023, 1536, 3 << 20, 53 << 30)] == [
-        "1023 B", "1.50 KiB", "3.00 MiB", "53.00 GiB"]
 
 
 @pytest.mark.parametrize("options, message", [
