@@ -173,7 +173,7 @@ def test_save_writes_each_stage_plans_summaries_png_and_trace(fully_sharded, tra
     assert "all_gather_into_tensor_out" in (tmp_path / "forward.py").read_text()
     assert "reduce_scatter_tensor" in (tmp_path / "backward.py").read_text()
     assert (tmp_path / "plan.txt").read_text() == fully_sharded.plans()
-    assert png_size(tmp_path / "timeline.png") == (1200, 500)
+    assert png_size(tmp_path / "timeline.png") == (1200, 750)
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     communication = [event for event in events if event.get("tid") == 1 and event["ph"] == "X"]
     assert len(communication) == len(fully_sharded.forward.collectives()) + len(fully_sharded.backward.collectives())

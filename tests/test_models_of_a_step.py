@@ -67,3 +67,25 @@ def test_simulator_overlaps_a_collective_with_compute_until_its_wait():
     assert prediction.overlap_fraction == pytest.approx(0.5)
     assert prediction.lower_bound == pytest.approx(2e-3)
     assert prediction.stall("forward", "ag") == pytest.approx(1e-3)
+    assert prediction.exposed_intervals() == [pytest.approx((1e-3, 2e-3))]
+
+
+def test_exposed_intervals_are_the_compute_streams_waits_and_the_communication_after_its_last_compute():
+    hardware = dataclasses.replace(
+        H100, flops_per_s={"float32": 1e12}, memory_bandwidth=1e30, kernel_overhead=0.0,
+        collective_latency=0.0, intra_node_latency=0.0, intra_node_bandwidth=1e9,
+    )
+    gather = Collective("all_gather", "0", (0, 1), torch.float32, bytes=4_000_000)  # 2 ms
+    scatter = Collective("reduce_scatter", "0", (0, 1), torch.float32, bytes=4_000_000)  # 2 ms
+    forward = schedule("forward", [], [
+        ScheduleNode("ag", COLLECTIVE, "all_gather", "", (), collective=gather),
+        ScheduleNode("wait", WAIT, "wait_tensor", "", ("ag",), alias_of="ag", waits_for="ag"),  # waits 0 to 2 ms
+        compute("mm", ["wait"], flops=1e9),  # 2 to 3 ms
+    ], outputs=["mm"])
+    backward = schedule("backward", [], [
+        compute("grad", [], flops=1e9),  # 3 to 4 ms
+        ScheduleNode("rs", COLLECTIVE, "reduce_scatter", "", ("grad",), collective=scatter),  # 4 to 6 ms, unwaited
+    ], outputs=["rs"])
+    prediction = simulate(forward, backward, hardware)
+    assert prediction.exposed_intervals() == [pytest.approx((0.0, 2e-3)), pytest.approx((4e-3, 6e-3))]
+    assert prediction.exposed_communication == pytest.approx(4e-3)

@@ -10,17 +10,19 @@ from simplefsdp.ir.memory import CATEGORIES
 from simplefsdp.ir.schedule import Schedule
 from simplefsdp.ir.simulator import Prediction
 
-_PALETTE = ("#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6", "#9a6324")
-_PHASE_COLOURS = {"forward": "#8fa8c8", "backward": "#9cc39c"}
+_BYTE_UNITS = ("B", "KiB", "MiB", "GiB")
+
+
+def byte_unit(size: float) -> tuple[str, int]:
+    """The largest of B, KiB, MiB, GiB that ``size`` holds one of, and its bytes: ``3 << 20`` → ``("MiB", 2**20)``."""
+    power = next((power for power in range(len(_BYTE_UNITS) - 1, 0, -1) if abs(size) >= 1024**power), 0)
+    return _BYTE_UNITS[power], 1024**power
 
 
 def format_bytes(size: float) -> str:
-    """``1536`` → ``"1.50 KiB"``."""
-    for unit in ("B", "KiB", "MiB"):
-        if abs(size) < 1024:
-            return f"{size:.0f} B" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    return f"{size:.2f} GiB"
+    """``1536`` → ``"1.50 KiB"``, in ``byte_unit(size)``."""
+    unit, scale = byte_unit(size)
+    return f"{size:.0f} B" if unit == "B" else f"{size / scale:.2f} {unit}"
 
 
 def format_seconds(seconds: float) -> str:
@@ -40,13 +42,6 @@ def collective_rows(schedules: list[Schedule], prediction: Prediction, hardware:
                  time=collective_time(node.collective, hardware), stall=prediction.stall(schedule.phase, node.name),
                  name=node.name)
             for schedule in schedules for index, node in enumerate(schedule.collectives())]
-
-
-def span_colours(schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> list[str]:
-    """The colour of each span of ``prediction``, in order: compute by phase, a collective by its bucket."""
-    buckets = {(row["phase"], row["name"]): row["bucket"] for row in collective_rows(schedules, prediction, hardware)}
-    return [_PHASE_COLOURS[span.phase] if span.stream == "compute"
-            else _PALETTE[int(buckets[span.phase, span.name][1:]) % len(_PALETTE)] for span in prediction.spans]
 
 
 def text_summary(title: str, schedules: list[Schedule], prediction: Prediction, hardware: HardwareProfile) -> str:

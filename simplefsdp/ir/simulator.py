@@ -51,6 +51,19 @@ class Prediction:
         """Seconds the compute stream waited on the collective ``name`` of ``phase`` (0.0: hidden)."""
         return self.stalls.get((phase, name), 0.0)
 
+    def exposed_intervals(self) -> list[tuple[float, float]]:
+        """``(start, end)`` of each time the compute stream waits on communication, the communication after its last
+        compute included: the gaps between compute spans, whose lengths sum to ``exposed_communication``."""
+        intervals, clock = [], 0.0
+        for span in self.spans:
+            if span.stream == "compute":
+                if span.start > clock:
+                    intervals.append((clock, span.start))
+                clock = span.end
+        if self.step_time > clock:
+            intervals.append((clock, self.step_time))
+        return intervals
+
 
 def simulate(forward: Schedule, backward: Schedule, hardware: HardwareProfile,
              compute_dtype: torch.dtype | None = None) -> Prediction:
