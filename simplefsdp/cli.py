@@ -271,8 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "torch.compile; each command's --help lists its options.")
     commands = parser.add_subparsers(title="commands", dest="command", required=True)
     for name, add_options, summary in (
-        ("train", _train, "train a reference model on local ranks"),
-        ("inspect", _inspect, "trace a reference model at any world size and predict its step"),
+        ("train", _train, "train a model on local ranks"),
+        ("inspect", _inspect, "trace a model at any world size and predict its step"),
         ("bench", _bench, "compare simplefsdp with FSDP2, DDP and a local baseline, side by side"),
     ):
         add_options(commands.add_parser(name, help=summary, description=summary, formatter_class=_DefaultsShown))

@@ -1,4 +1,5 @@
-"""``simplefsdp train``: train a reference model with ``compile_sharded`` on local ranks."""
+"""``simplefsdp train``: train a model (``--model``: a reference name, ``hf:PATH`` or ``package.module:function``) with
+``compile_sharded`` on local ranks."""
 
 from __future__ import annotations
 
