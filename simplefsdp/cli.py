@@ -249,6 +249,9 @@ def _bench(command: argparse.ArgumentParser) -> None:
     _workload(groups, "cpu-small", 4, 128, (None, None))
     _accumulation(groups)
     _local_ranks(groups, ("adamw",))
+    groups["optimizer"].add_argument("--foreach", action="store_true",
+                                     help="AdamW's foreach implementation for every contender instead of the fused one "
+                                          "(torchtitan's and Hugging Face Trainer's default)")
     group = groups["contenders and measurement"]
     group.add_argument("--only", type=contenders_arg, default=None, metavar="NAME[,NAME]",
                        help=f"the contenders to run, of: {', '.join(CONTENDER_NAMES)} (default: all)")

@@ -369,7 +369,7 @@ def test_activation_checkpointing_recomputes_in_backward_as_train_applies_it(ful
     forward = reports["selective"].forward
     assert "aten._scaled_dot_product_flash_attention.default" in {node.op for node in forward.nodes}
     assert "layers.0.attention.wq" in {node.fqn for node in forward.nodes}
-    with pytest.raises(ValueError, match="TwoLinears has no layers; pass activation_checkpointing='none'"):
+    with pytest.raises(ValueError, match="checkpoints each repeated block, and TwoLinears has none; pass activation_checkpointing='none'"):
         simplefsdp.inspect(TwoLinears(), (torch.randn(8, 8),), activation_checkpointing="full")
 
 

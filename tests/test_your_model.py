@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import simplefsdp
@@ -102,7 +103,15 @@ def test_inspect_traces_hugging_face_models_as_they_come_without_their_cache(fam
     assert model.config.use_cache  # the user's model is not changed
 
 
-def test_a_graph_break_of_hugging_faces_cache_under_gradient_checkpointing_names_its_fix():
+@pytest.fixture
+def one_rank_world():
+    """compile_sharded's own 1-rank world (no launcher), taken down after the test: later files start their own."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_graph_break_of_hugging_faces_cache_under_gradient_checkpointing_names_its_fix(one_rank_world):
     def first_call_warnings(use_cache: bool) -> list[str]:
         torch.manual_seed(0)
         model = LlamaForCausalLM(tiny_llama_config(use_cache=use_cache))
@@ -118,7 +127,7 @@ def test_a_graph_break_of_hugging_faces_cache_under_gradient_checkpointing_names
     assert first_call_warnings(use_cache=False) == []
 
 
-def test_save_pretrained_of_a_sharded_model_names_the_full_state_dict_recipe(tmp_path):
+def test_save_pretrained_of_a_sharded_model_names_the_full_state_dict_recipe(tmp_path, one_rank_world):
     model = simplefsdp.compile_sharded(LlamaForCausalLM(tiny_llama_config()), compile=False)
     with pytest.raises(RuntimeError, match=r"get_model_state_dict\(model, options=StateDictOptions\(full_state_dict"):
         model.save_pretrained(tmp_path / "shards")

@@ -43,8 +43,8 @@ def build(contender: Contender, args: argparse.Namespace, workload: Workload
           ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model built from ``--seed`` and wrapped by ``contender``, with its optimizer."""
     model = contender.wrap(workload.build(args.seed).to(device_type()), args)
-    lr = learning_rate(args.lr, "adamw")
-    return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # as train (torchtitan's default)
+    implementation = {"foreach": True} if args.foreach else {"fused": True}  # fused: as train, torchtitan's default
+    return model, torch.optim.AdamW(model.parameters(), lr=learning_rate(args.lr, "adamw"), **implementation)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn, count: int = 1,
@@ -225,7 +225,7 @@ def measure(args: argparse.Namespace) -> dict | None:
                                                           "grad_accum", "grad_accum_reduce", "param_dtype",
                                                           "reduce_dtype")},
         "parameters": sum(p.numel() for p in shapes.parameters()),
-        "compile_backend": args.backend, "optimizer": f"AdamW(lr={learning_rate(args.lr, 'adamw')}, fused=True)",
+        "compile_backend": args.backend, "optimizer": f"AdamW(lr={learning_rate(args.lr, 'adamw')}, {'foreach' if args.foreach else 'fused'}=True)",
         "methods": METHODS,
         "rows": list(rows.values()),
     }

@@ -119,7 +119,8 @@ def report(results: dict, json_path: str | None, plot_path: str | None) -> int:
     """Print the table, notes and verdicts; write the JSON and the chart; 1 when loss parity fails, else 0."""
     parity_ok, parity = check_parity(results)
     print(f"\n{_workload(results)}, {results['steps']} measured steps after {results['warmup']} warm-up, "
-          f"torch {results['torch']}, {results['cpu_cores']} CPU cores, compile backend {results['compile_backend']}\n")
+          f"torch {results['torch']}, {results['cpu_cores']} CPU cores, compile backend {results['compile_backend']}, "
+          f"{results.get('optimizer', 'AdamW')}\n")
     print(format_table(results), end="\n\n")
     print("\n".join([*(f"- {name}: {text}" for name, text in results["methods"].items()), *parity]))
     if json_path:
