@@ -194,7 +194,7 @@ def compile_sharded(
     replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,
                                      reshard_after_forward=reshard_after_forward and mode != "replicate",
                                      quantize=quantize, tensor_parallel=tp_mesh)
-    shard_parameters(model, mesh, mode, replicate)
+    shard_parameters(model, mesh, mode, replicate, block_fqns)
     gather_tied_once_per_call(model, replicate)
     if mp_policy.param_dtype is not None:
         cast_floating_inputs(model, mp_policy.param_dtype)

@@ -45,9 +45,9 @@ def test_fully_shard_summary(fully_shard):
     assert_expected_inline(fully_shard.summary(), """\
 debug, fully_shard, world 8, h100
 stage       collectives  predicted step  exposed comm.  peak memory
-traced               62        1.911 ms       1.056 ms   783.70 KiB
-bucketed             12        1.012 ms       206.4 us   839.73 KiB
-reordered            12        875.2 us        69.3 us   944.33 KiB
+traced               60        1.873 ms       1.022 ms   783.83 KiB
+bucketed             10        974.2 us       172.3 us   839.73 KiB
+reordered            10        851.3 us        49.4 us   944.33 KiB
 
 bucket plan
 forward: 4 bucket(s), 2 block(s) layers.0 .. layers.1
@@ -55,10 +55,8 @@ forward: 4 bucket(s), 2 block(s) layers.0 .. layers.1
   all_gather layers.0: 9 collective(s) [layers.0]
   all_gather layers.1: 9 collective(s) [layers.1]
   all_gather norm+output: 2 collective(s) [norm, output]
-backward: 8 bucket(s), 2 block(s) layers.0 .. layers.1
-  all_gather output: 1 collective(s) [output]
+backward: 6 bucket(s), 2 block(s) layers.0 .. layers.1
   reduce_scatter tail: 2 collective(s) [output, norm]
-  all_gather norm: 1 collective(s) [norm]
   all_gather layers.1: 9 collective(s) [layers.1]
   reduce_scatter layers.1: 9 collective(s) [layers.1]
   all_gather layers.0: 9 collective(s) [layers.0]
@@ -70,18 +68,16 @@ forward: 3 prefetch(es), 0 sunk wait(s)
   issue all_gather_into_tensor_out after wait_tensor (before embedding)
   issue all_gather_into_tensor_out_1 after wait_tensor_21 (before invoke_subgraph_4)
   issue all_gather_into_tensor_out_2 after wait_tensor_22 (before invoke_subgraph_6)
-backward: 4 prefetch(es), 3 sunk wait(s)
-  issue all_gather_into_tensor_20 after the graph inputs (before mm_1)
-  issue all_gather_into_tensor_19 after wait_tensor_20 (before mm_2)
-  issue all_gather_into_tensor_out after wait_tensor_19 (before mul_3)
+backward: 2 prefetch(es), 3 sunk wait(s)
+  issue all_gather_into_tensor_out after the graph inputs (before mm_1)
   issue all_gather_into_tensor_out_1 after wait_tensor_42 (before invoke_subgraph_7)
   sink wait_tensor to before reduce_scatter_tensor_22
   sink wait_tensor_43 to before reduce_scatter_tensor_23
   sink wait_tensor_45 to before reduce_scatter_tensor_20
 
 reordered graphs (what runs)
-predicted step 875.2 us: compute 805.9 us, communication 206.4 us, exposed 69.3 us, overlap 66.4%, lower bound 805.9 us
-peak memory per rank 944.33 KiB at backward:all_gather_into_tensor_out: sharded_params 64.16 KiB, unsharded_params 96.38 KiB, gradients 0 B, comm_buffers 0 B, activations 783.80 KiB
+predicted step 851.3 us: compute 801.9 us, communication 172.3 us, exposed 49.4 us, overlap 71.3%, lower bound 801.9 us
+peak memory per rank 944.33 KiB at backward:all_gather_into_tensor_out: sharded_params 64.16 KiB, unsharded_params 96.25 KiB, gradients 0 B, comm_buffers 0 B, activations 783.92 KiB
 FLOPs per rank per step 1.028e+08
 forward region partitioned_fw_subgraph_1_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
 backward region partitioned_bw_subgraph_1_0 (in backward.py): the compute of 2 block(s), layers.1 to layers.0
@@ -91,14 +87,12 @@ backward region partitioned_bw_subgraph_1_0 (in backward.py): the compute of 2 b
   1  forward   all_gather      f1      layers.0                              8  bfloat16    96.25 KiB     17.2 us  no, stalls 15.2 us
   2  forward   all_gather      f2      layers.1                              8  bfloat16    96.25 KiB     17.2 us  yes
   3  forward   all_gather      f3      norm                                  8  bfloat16    32.12 KiB     17.1 us  yes
-  4  backward  all_gather      b0      output                                8  bfloat16    32.00 KiB     17.1 us  no, stalls 15.0 us
-  5  backward  all_gather      b1      norm                                  8  bfloat16        128 B     17.0 us  no, stalls 4.8 us
-  6  backward  all_gather      b2      layers.1                              8  bfloat16    96.25 KiB     17.2 us  yes
-  7  backward  reduce_scatter  b3      output                                8  float32     64.25 KiB     17.2 us  yes
-  8  backward  all_gather      b4      layers.0                              8  bfloat16    96.25 KiB     17.2 us  yes
-  9  backward  reduce_scatter  b5      layers.1                              8  float32    192.50 KiB     17.5 us  yes
- 10  backward  reduce_scatter  b6      layers.0                              8  float32    192.50 KiB     17.5 us  yes
- 11  backward  reduce_scatter  b7      tok_embeddings                        8  float32     64.00 KiB     17.2 us  no, stalls 17.2 us
+  4  backward  all_gather      b0      layers.1                              8  bfloat16    96.25 KiB     17.2 us  yes
+  5  backward  reduce_scatter  b1      output                                8  float32     64.25 KiB     17.2 us  yes
+  6  backward  all_gather      b2      layers.0                              8  bfloat16    96.25 KiB     17.2 us  yes
+  7  backward  reduce_scatter  b3      layers.1                              8  float32    192.50 KiB     17.5 us  yes
+  8  backward  reduce_scatter  b4      layers.0                              8  float32    192.50 KiB     17.5 us  yes
+  9  backward  reduce_scatter  b5      tok_embeddings                        8  float32     64.00 KiB     17.2 us  no, stalls 17.2 us
 """)
 
 
@@ -107,8 +101,8 @@ def test_fully_shard_traced_graphs(fully_shard):
     summary = text_summary(fully_shard.title, traced.schedules, traced.prediction, fully_shard.hardware)
     assert_expected_inline(summary, """\
 debug, fully_shard, world 8, h100
-predicted step 1.911 ms: compute 855.1 us, communication 1.056 ms, exposed 1.056 ms, overlap 0.0%, lower bound 1.056 ms
-peak memory per rank 783.70 KiB at backward:mm_2: sharded_params 64.16 KiB, unsharded_params 32.00 KiB, gradients 0 B, comm_buffers 0 B, activations 687.55 KiB
+predicted step 1.873 ms: compute 851.1 us, communication 1.022 ms, exposed 1.022 ms, overlap 0.0%, lower bound 1.022 ms
+peak memory per rank 783.83 KiB at backward:mm_1: sharded_params 64.16 KiB, unsharded_params 32.12 KiB, gradients 0 B, comm_buffers 0 B, activations 687.55 KiB
 FLOPs per rank per step 1.028e+08
 forward region partitioned_fw_subgraph_1_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
 backward region partitioned_bw_subgraph_1_0 (in backward.py): the compute of 2 block(s), layers.1 to layers.0
@@ -135,47 +129,45 @@ backward region partitioned_bw_subgraph_1_0 (in backward.py): the compute of 2 b
  18  forward   all_gather      f18     layers.1                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
  19  forward   all_gather      f19     norm                                  8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
  20  forward   all_gather      f20     output                                8  bfloat16    32.00 KiB     17.1 us  no, stalls 17.1 us
- 21  backward  all_gather      b0      output                                8  bfloat16    32.00 KiB     17.1 us  no, stalls 17.1 us
- 22  backward  reduce_scatter  b1      output                                8  float32     64.00 KiB     17.2 us  no, stalls 17.2 us
- 23  backward  all_gather      b2      norm                                  8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
- 24  backward  reduce_scatter  b3      norm                                  8  float32         256 B     17.0 us  no, stalls 17.0 us
- 25  backward  all_gather      b4      layers.1                              8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
- 26  backward  all_gather      b5      layers.1                              8  bfloat16     8.00 KiB     17.0 us  no, stalls 17.0 us
- 27  backward  all_gather      b6      layers.1                              8  bfloat16     4.00 KiB     17.0 us  no, stalls 17.0 us
- 28  backward  all_gather      b7      layers.1                              8  bfloat16     4.00 KiB     17.0 us  no, stalls 17.0 us
- 29  backward  all_gather      b8      layers.1                              8  bfloat16     8.00 KiB     17.0 us  no, stalls 17.0 us
- 30  backward  all_gather      b9      layers.1                              8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
+ 21  backward  reduce_scatter  b0      output                                8  float32     64.00 KiB     17.2 us  no, stalls 17.2 us
+ 22  backward  reduce_scatter  b1      norm                                  8  float32         256 B     17.0 us  no, stalls 17.0 us
+ 23  backward  all_gather      b2      layers.1                              8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
+ 24  backward  all_gather      b3      layers.1                              8  bfloat16     8.00 KiB     17.0 us  no, stalls 17.0 us
+ 25  backward  all_gather      b4      layers.1                              8  bfloat16     4.00 KiB     17.0 us  no, stalls 17.0 us
+ 26  backward  all_gather      b5      layers.1                              8  bfloat16     4.00 KiB     17.0 us  no, stalls 17.0 us
+ 27  backward  all_gather      b6      layers.1                              8  bfloat16     8.00 KiB     17.0 us  no, stalls 17.0 us
+ 28  backward  all_gather      b7      layers.1                              8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
+ 29  backward  all_gather      b8      layers.1                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
+ 30  backward  all_gather      b9      layers.1                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
  31  backward  all_gather      b10     layers.1                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
- 32  backward  all_gather      b11     layers.1                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
- 33  backward  all_gather      b12     layers.1                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
+ 32  backward  reduce_scatter  b11     layers.1                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
+ 33  backward  reduce_scatter  b12     layers.1                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
  34  backward  reduce_scatter  b13     layers.1                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
- 35  backward  reduce_scatter  b14     layers.1                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
- 36  backward  reduce_scatter  b15     layers.1                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
- 37  backward  reduce_scatter  b16     layers.1                              8  float32         256 B     17.0 us  no, stalls 17.0 us
- 38  backward  reduce_scatter  b17     layers.1                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
- 39  backward  reduce_scatter  b18     layers.1                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
- 40  backward  reduce_scatter  b19     layers.1                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
- 41  backward  reduce_scatter  b20     layers.1                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
- 42  backward  reduce_scatter  b21     layers.1                              8  float32         256 B     17.0 us  no, stalls 17.0 us
- 43  backward  all_gather      b22     layers.0                              8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
- 44  backward  all_gather      b23     layers.0                              8  bfloat16     8.00 KiB     17.0 us  no, stalls 17.0 us
- 45  backward  all_gather      b24     layers.0                              8  bfloat16     4.00 KiB     17.0 us  no, stalls 17.0 us
- 46  backward  all_gather      b25     layers.0                              8  bfloat16     4.00 KiB     17.0 us  no, stalls 17.0 us
- 47  backward  all_gather      b26     layers.0                              8  bfloat16     8.00 KiB     17.0 us  no, stalls 17.0 us
- 48  backward  all_gather      b27     layers.0                              8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
+ 35  backward  reduce_scatter  b14     layers.1                              8  float32         256 B     17.0 us  no, stalls 17.0 us
+ 36  backward  reduce_scatter  b15     layers.1                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
+ 37  backward  reduce_scatter  b16     layers.1                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
+ 38  backward  reduce_scatter  b17     layers.1                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
+ 39  backward  reduce_scatter  b18     layers.1                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
+ 40  backward  reduce_scatter  b19     layers.1                              8  float32         256 B     17.0 us  no, stalls 17.0 us
+ 41  backward  all_gather      b20     layers.0                              8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
+ 42  backward  all_gather      b21     layers.0                              8  bfloat16     8.00 KiB     17.0 us  no, stalls 17.0 us
+ 43  backward  all_gather      b22     layers.0                              8  bfloat16     4.00 KiB     17.0 us  no, stalls 17.0 us
+ 44  backward  all_gather      b23     layers.0                              8  bfloat16     4.00 KiB     17.0 us  no, stalls 17.0 us
+ 45  backward  all_gather      b24     layers.0                              8  bfloat16     8.00 KiB     17.0 us  no, stalls 17.0 us
+ 46  backward  all_gather      b25     layers.0                              8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
+ 47  backward  all_gather      b26     layers.0                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
+ 48  backward  all_gather      b27     layers.0                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
  49  backward  all_gather      b28     layers.0                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
- 50  backward  all_gather      b29     layers.0                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
- 51  backward  all_gather      b30     layers.0                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
+ 50  backward  reduce_scatter  b29     layers.0                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
+ 51  backward  reduce_scatter  b30     layers.0                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
  52  backward  reduce_scatter  b31     layers.0                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
- 53  backward  reduce_scatter  b32     layers.0                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
- 54  backward  reduce_scatter  b33     layers.0                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
- 55  backward  reduce_scatter  b34     layers.0                              8  float32         256 B     17.0 us  no, stalls 17.0 us
- 56  backward  reduce_scatter  b35     layers.0                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
- 57  backward  reduce_scatter  b36     layers.0                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
- 58  backward  reduce_scatter  b37     layers.0                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
- 59  backward  reduce_scatter  b38     layers.0                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
- 60  backward  reduce_scatter  b39     layers.0                              8  float32         256 B     17.0 us  no, stalls 17.0 us
- 61  backward  reduce_scatter  b40     tok_embeddings                        8  float32     64.00 KiB     17.2 us  no, stalls 17.2 us
+ 53  backward  reduce_scatter  b32     layers.0                              8  float32         256 B     17.0 us  no, stalls 17.0 us
+ 54  backward  reduce_scatter  b33     layers.0                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
+ 55  backward  reduce_scatter  b34     layers.0                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
+ 56  backward  reduce_scatter  b35     layers.0                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
+ 57  backward  reduce_scatter  b36     layers.0                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
+ 58  backward  reduce_scatter  b37     layers.0                              8  float32         256 B     17.0 us  no, stalls 17.0 us
+ 59  backward  reduce_scatter  b38     tok_embeddings                        8  float32     64.00 KiB     17.2 us  no, stalls 17.2 us
 """)
 
 
@@ -218,9 +210,9 @@ def test_hybrid_shard_summary():
     assert_expected_inline(debug_report("hybrid_shard", H100_4_PER_NODE).summary(), """\
 debug, hybrid_shard, world 8, h100-4-per-node
 stage       collectives  predicted step  exposed comm.  peak memory
-traced               83        2.044 ms       1.189 ms   847.86 KiB
-bucketed             15        1.025 ms       214.9 us   911.92 KiB
-reordered            15        922.7 us       112.7 us  1008.48 KiB
+traced               81        2.014 ms       1.163 ms   847.98 KiB
+bucketed             13        994.8 us       188.8 us   911.92 KiB
+reordered            13        901.7 us        95.7 us  1008.48 KiB
 
 bucket plan
 forward: 4 bucket(s), 2 block(s) layers.0 .. layers.1
@@ -228,11 +220,9 @@ forward: 4 bucket(s), 2 block(s) layers.0 .. layers.1
   all_gather layers.0: 9 collective(s) [layers.0]
   all_gather layers.1: 9 collective(s) [layers.1]
   all_gather norm+output: 2 collective(s) [norm, output]
-backward: 11 bucket(s), 2 block(s) layers.0 .. layers.1
-  all_gather output: 1 collective(s) [output]
+backward: 9 bucket(s), 2 block(s) layers.0 .. layers.1
   reduce_scatter tail: 2 collective(s) [output, norm]
   all_reduce tail+layers.1: 11 collective(s) [output, norm, layers.1]
-  all_gather norm: 1 collective(s) [norm]
   all_gather layers.1: 9 collective(s) [layers.1]
   reduce_scatter layers.1: 9 collective(s) [layers.1]
   all_gather layers.0: 9 collective(s) [layers.0]
@@ -246,17 +236,15 @@ forward: 3 prefetch(es), 0 sunk wait(s)
   issue all_gather_into_tensor_out after wait_tensor (before embedding)
   issue all_gather_into_tensor_out_1 after wait_tensor_21 (before invoke_subgraph_4)
   issue all_gather_into_tensor_out_2 after wait_tensor_22 (before invoke_subgraph_6)
-backward: 4 prefetch(es), 2 sunk wait(s)
-  issue all_gather_into_tensor_20 after the graph inputs (before mm_1)
-  issue all_gather_into_tensor_19 after wait_tensor_20 (before mm_2)
-  issue all_gather_into_tensor_out after wait_tensor_19 (before mul_3)
+backward: 2 prefetch(es), 2 sunk wait(s)
+  issue all_gather_into_tensor_out after the graph inputs (before mm_1)
   issue all_gather_into_tensor_out_1 after wait_tensor_64 (before invoke_subgraph_7)
   sink wait_tensor_63 to before all_reduce_22
   sink wait_tensor_68 to before all_reduce_20
 
 reordered graphs (what runs)
-predicted step 922.7 us: compute 810.0 us, communication 214.9 us, exposed 112.7 us, overlap 47.6%, lower bound 810.0 us
-peak memory per rank 1008.48 KiB at backward:all_gather_into_tensor_out: sharded_params 128.31 KiB, unsharded_params 96.38 KiB, gradients 0 B, comm_buffers 0 B, activations 783.80 KiB
+predicted step 901.7 us: compute 806.0 us, communication 188.8 us, exposed 95.7 us, overlap 49.3%, lower bound 806.0 us
+peak memory per rank 1008.48 KiB at backward:all_gather_into_tensor_out: sharded_params 128.31 KiB, unsharded_params 96.25 KiB, gradients 0 B, comm_buffers 0 B, activations 783.92 KiB
 FLOPs per rank per step 1.028e+08
 forward region partitioned_fw_subgraph_1_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
 backward region partitioned_bw_subgraph_1_0 (in backward.py): the compute of 2 block(s), layers.1 to layers.0
@@ -266,15 +254,13 @@ backward region partitioned_bw_subgraph_1_0 (in backward.py): the compute of 2 b
   1  forward   all_gather      f1      layers.0                              4  bfloat16    96.25 KiB     13.2 us  no, stalls 11.2 us
   2  forward   all_gather      f2      layers.1                              4  bfloat16    96.25 KiB     13.2 us  yes
   3  forward   all_gather      f3      norm                                  4  bfloat16    32.12 KiB     13.1 us  yes
-  4  backward  all_gather      b0      output                                4  bfloat16    32.00 KiB     13.1 us  no, stalls 11.0 us
-  5  backward  all_gather      b1      norm                                  4  bfloat16        128 B     13.0 us  no, stalls 0.8 us
-  6  backward  all_gather      b2      layers.1                              4  bfloat16    96.25 KiB     13.2 us  yes
-  7  backward  reduce_scatter  b3      output                                4  float32     64.25 KiB     13.1 us  no, stalls 18.3 us
-  8  backward  all_gather      b4      layers.0                              4  bfloat16    96.25 KiB     13.2 us  yes
-  9  backward  reduce_scatter  b5      layers.1                              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
- 10  backward  all_reduce      b6      output                                2  float32     64.19 KiB     19.4 us  yes
- 11  backward  reduce_scatter  b7      layers.0                              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
- 12  backward  all_reduce      b8      layers.0                              2  float32     48.12 KiB     19.0 us  yes
- 13  backward  reduce_scatter  b9      tok_embeddings                        4  float32     64.00 KiB     13.1 us  no, stalls 13.1 us
- 14  backward  all_reduce      b10     tok_embeddings                        2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
+  4  backward  all_gather      b0      layers.1                              4  bfloat16    96.25 KiB     13.2 us  yes
+  5  backward  reduce_scatter  b1      output                                4  float32     64.25 KiB     13.1 us  no, stalls 13.1 us
+  6  backward  all_gather      b2      layers.0                              4  bfloat16    96.25 KiB     13.2 us  yes
+  7  backward  reduce_scatter  b3      layers.1                              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
+  8  backward  all_reduce      b4      output                                2  float32     64.19 KiB     19.4 us  yes
+  9  backward  reduce_scatter  b5      layers.0                              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
+ 10  backward  all_reduce      b6      layers.0                              2  float32     48.12 KiB     19.0 us  yes
+ 11  backward  reduce_scatter  b7      tok_embeddings                        4  float32     64.00 KiB     13.1 us  no, stalls 13.1 us
+ 12  backward  all_reduce      b8      tok_embeddings                        2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
 """)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -62,15 +63,19 @@ def broadcast_buffers(module: nn.Module, mesh: DeviceMesh) -> None:
             dist.broadcast(buffer, group=mesh.get_group(dim), group_src=0)
 
 
-def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: ReplicateComputation) -> None:
+def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: ReplicateComputation,
+                     blocks: tuple[str, ...] = ()) -> None:
     """Replace each parameter by a DTensor parameter placed for ``mode`` and install the gathering getters.
 
     Values come from the mesh's first rank; a 0-dim parameter is replicated (its gradient all-reduced). A tied
     parameter becomes one DTensor shared by the same modules. A tensor-parallel DTensor (``parallelize_module``)
-    becomes a DTensor on the (dp, tp) mesh (``tensor_parallel.py``).
+    becomes a DTensor on the (dp, tp) mesh (``tensor_parallel.py``). Where the model has ``blocks``, the modules
+    outside them keep their gathered parameters from forward to backward, as FSDP2 keeps its root's: the output layer
+    is the first the backward needs, and an embedding's backward reads no weight.
     """
     _refuse_optimizers_outside_the_sharding()
     sharded: dict[int, tuple[int, nn.Parameter, torch.Tensor, torch.Tensor | None]] = {}
+    outside_blocks = dataclasses.replace(replicate, reshard_after_forward=False) if blocks else replicate
     for prefix, submodule in module.named_modules():
         keys, accumulators, errors = {}, {}, {}
         for name, param in submodule._parameters.items():
@@ -88,7 +93,8 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
                 sharded[id(param)] = (len(sharded), new_param, accumulator, error)
             keys[name], submodule._parameters[name], accumulators[name], errors[name] = sharded[id(param)]
         if accumulators:
-            install_getters(submodule, keys, accumulators, errors, replicate)
+            inside = any(prefix == block or prefix.startswith(f"{block}.") for block in blocks)
+            install_getters(submodule, keys, accumulators, errors, replicate if inside else outside_blocks)
             submodule.register_load_state_dict_pre_hook(_shard_plain_tensors)
 
 
