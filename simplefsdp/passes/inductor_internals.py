@@ -66,6 +66,15 @@ def merge_all_to_alls(graph: fx.Graph, all_to_alls: list[fx.Node]) -> None:
                                       [node.meta["val"] for node in inputs], *nodes[0].args[1:4]))
 
 
+def replace_collective(graph: fx.Graph, collective: fx.Node, fn: Callable[..., list[torch.Tensor]],
+                       constants: tuple) -> None:
+    """Replace ``collective`` (one wait) by ``fn([its input], *constants)``, traced: issued where it was, waited where
+    its wait was."""
+    (wait,) = collective.users
+    process_collective_bucket(graph, [collective], fn, insert_before=collective, wait_insertion_point=wait.next,
+                              trace_args_fn=lambda inputs: ([inputs[0].meta["val"]], *constants))
+
+
 @contextlib.contextmanager
 def bucket_traces_reused() -> Iterator[None]:
     """Inside, Inductor's bucketing traces a bucket's body once per signature (the function, its inputs' shapes,

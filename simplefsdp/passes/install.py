@@ -20,6 +20,7 @@ from simplefsdp.ir.schedule import COLLECTIVE_OPS, Schedule, read_schedule
 from simplefsdp.passes.auto_buckets import plan_auto_buckets
 from simplefsdp.passes.bucket_apply import apply_buckets
 from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan, plan_buckets
+from simplefsdp.passes.gloo_reduce_scatter import apply_gloo_reduce_scatters, plan_gloo_reduce_scatters
 from simplefsdp.passes.rank_guard import insert_agreement
 from simplefsdp.passes.reorder import ReorderPlan, apply_reorder, plan_reorder
 
@@ -28,10 +29,11 @@ _SOURCES = sorted(Path(__file__).parent.glob("*.py")) + sorted((Path(__file__).p
 
 @dataclass(frozen=True)
 class PassStage:
-    """One graph after a step of the passes (``"traced"``, ``"bucketed"``, ``"reordered"``) and the plan it applied."""
+    """One graph after a step of the passes (``"traced"``, ``"bucketed"``, ``"gloo"``: gloo's reduce-scatters as
+    all-to-alls, ``"reordered"``) and the plan it applied."""
     name: str
     schedule: Schedule
-    plan: BucketPlan | ReorderPlan | None
+    plan: BucketPlan | ReorderPlan | tuple[str, ...] | None
 
 
 class OverlapPasses(CustomGraphPass):
@@ -68,6 +70,11 @@ class OverlapPasses(CustomGraphPass):
             gm.recompile()
             schedule = read_schedule(gm, phase, param_fqns, self.groups)
             yield PassStage("bucketed", schedule, bucket_plan)
+        if lowered := plan_gloo_reduce_scatters(schedule):
+            apply_gloo_reduce_scatters(gm.graph, lowered)
+            gm.recompile()
+            schedule = read_schedule(gm, phase, param_fqns, self.groups)
+            yield PassStage("gloo", schedule, lowered)
         if self.reorder:
             reorder_plan = plan_reorder(schedule, self.prefetch)
             apply_reorder(gm.graph, reorder_plan)
