@@ -75,10 +75,7 @@ def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh, arguments
                                   ) -> None:
     """Compare ``arguments`` (``compile_sharded``'s, as ``name=repr``) and parameter/buffer names, shapes and dtypes
     across the mesh; raise the same ``ValueError`` on every rank if any differ, naming the lowest rank that differs
-    from the mesh's first rank, and the first difference.
-
-    One object all-gather of a digest per mesh dimension (two more rounds of full fingerprints on a mismatch): a
-    mismatch is an error here, on every rank, not a hang in a later collective."""
+    from the mesh's first rank, and the first difference (an error here, on every rank, not a later hang)."""
     groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
     arguments = arguments or {}
     mine = [f"argument {name}={value!r}" for name, value in arguments.items()] + _fingerprint(module)
@@ -133,12 +130,9 @@ SEEN = 1 << 61  # added to a pair by a rank that saw a difference: lifts the gro
 
 
 def _difference_seen(pairs: Sequence[tuple[dist.ProcessGroup, torch.Tensor]]) -> bool:
-    """Whether, at this call, the ranks of some group of the mesh run graphs with different collectives on it: one
-    all-reduce (max) of a pair of ``_digest_pairs`` per group, the same collective whatever graph a rank runs, and so
-    on every rank the same answer. A rank that has seen a difference adds ``SEEN`` to its next pairs, and the groups
-    of all but the last dimension all-reduce once more: on a mesh of n dimensions those n - 1 all-reduces reach every
-    rank from any group (each group of one dimension holds a member of every group of another). Two elements a
-    reduction: gloo took twice as long for three."""
+    """Whether, at this call, the ranks of some group of the mesh run graphs with different collectives on it, the
+    same answer on every rank: an all-reduce (max) of each pair of ``_digest_pairs``, then one more per group of all
+    but the last dimension carrying ``SEEN`` (why: ``ARCHITECTURE.md``, "The cross-rank guard")."""
     seen = False
     for group, pair in [*pairs, *((group, torch.zeros_like(pair)) for group, pair in pairs[:-1])]:
         reduced = pair + SEEN if seen else pair.clone()
@@ -175,9 +169,7 @@ def raise_for_difference(lines: Sequence[str], groups: Sequence[dist.ProcessGrou
 def agree_on_collectives(lines: str, group_names: str) -> torch.Tensor:
     """Check, at every call, that the ranks of the mesh whose dimensions' groups are ``group_names`` (comma-separated)
     run a graph with the collective ``lines`` (newline-separated) now (``_difference_seen``), and raise the same
-    ``ValueError`` on every rank where they do not. The first call of a graph exchanges what every later call does,
-    so a rank that has just compiled a graph and a rank that runs one compiled before meet in the same collective.
-    Returns an empty tensor for the graph's collectives to depend on."""
+    ``ValueError`` on every rank where they do not. Returns an empty tensor for the graph's collectives to depend on."""
     if (lines, group_names) not in GRAPHS:
         groups = [process_group(name) for name in group_names.split(",")]
         GRAPHS[lines, group_names] = _digest_pairs(lines.split("\n"), groups)
