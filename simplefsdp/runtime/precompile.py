@@ -1,13 +1,7 @@
 """A sharded module's compiled call saved to disk, so that a later process loads it instead of tracing again:
-``compile_sharded(precompile=True)``.
-
-Dynamo decides which compiled graph fits a call by its guards, which it cannot save for a sharded module: their pickle
-reaches the classes that sharding makes at run time, and loading them costs more than tracing again. A precompiled
-call instead keys each graph by what it depends on: fixed in a run (``run_key``: the machine, versions, the model,
-the arguments of ``compile_sharded``, the process groups) and at each call (the inputs, the modules' plain
-attributes, the gradient-sync state and torch's global state). Each key gets one graph, compiled by
-``torch.compile(...).aot_compile`` with no guards and saved under ``SIMPLEFSDP_CACHE``. A saved graph is loaded only
-if the source of every function Dynamo traced for it is unchanged.
+``compile_sharded(precompile=True)``. Each graph is keyed by what it depends on (``run_key`` per run, ``ModuleState``
+and the inputs per call) instead of Dynamo's guards, which cannot be saved for a sharded module; why and what it
+costs: ``ARCHITECTURE.md``, "Precompiled graphs".
 """
 
 from __future__ import annotations
