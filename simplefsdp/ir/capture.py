@@ -238,10 +238,8 @@ def _region_schemas_traced_once() -> Iterator[None]:
 @contextlib.contextmanager
 def _composites_differentiable_on_meta() -> Iterator[None]:
     """Inside, an op that autograd differentiates through its decomposition (``CompositeImplicitAutograd``) keeps its
-    gradient on meta tensors while AOTAutograd traces, as in eager: it decomposes at the ``AutogradMeta`` key.
-
-    torch 2.13's Python dispatcher runs such an op's Python meta kernel below autograd instead, so no gradient flows
-    through it (``torch.where(mask, x, -inf)`` in T5's decoder left its relative attention bias without one)."""
+    gradient on meta tensors while AOTAutograd traces, as in eager: torch 2.13's Python dispatcher ran its meta kernel
+    below autograd (``torch.where(mask, x, -inf)`` in T5's decoder left its relative attention bias without one)."""
     ops = {op for table in global_decomposition_table.values() for op in table
            if isinstance(op, OpOverload) and DispatchKey.Meta in op.py_kernels
            and op.has_kernel_for_dispatch_key(DispatchKey.CompositeImplicitAutograd)
