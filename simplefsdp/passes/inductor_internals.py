@@ -69,10 +69,8 @@ def merge_all_to_alls(graph: fx.Graph, all_to_alls: list[fx.Node]) -> None:
 @contextlib.contextmanager
 def bucket_traces_reused() -> Iterator[None]:
     """Inside, Inductor's bucketing traces a bucket's body once per signature (the function, its inputs' shapes,
-    strides and dtypes, its constants) and inserts that graph again for every bucket alike (a model's blocks).
-
-    The inserted copies share fake values: Inductor recomputes every new node's after our pass (its
-    ``FakeTensorUpdater``), and a schedule reads only their shapes and dtypes."""
+    strides and dtypes, its constants) and inserts that graph again for every bucket alike (a model's blocks). The
+    copies share fake values, which Inductor recomputes after our pass (``FakeTensorUpdater``)."""
     trace, traced = bucketing._trace, {}
 
     def trace_once(fn: Callable, inputs: tuple) -> fx.GraphModule:

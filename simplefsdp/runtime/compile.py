@@ -38,13 +38,10 @@ from simplefsdp.runtime.unused_outputs import KeepGradientsOfUnusedOutputs
 
 def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any],
                      precompile_run: str | None = None) -> None:
-    """``module.compile(...)``, keeping the module object and ``state_dict`` keys; the first call names graph breaks,
-    a later one that recompiles says why on rank 0.
-    With ``precompile_run`` (``runtime/precompile.py: run_key``), graphs are saved and loaded across processes;
-    without it, a parameter that gets no gradient keeps its ``grad`` (``runtime/unused_outputs.py``).
-
-    The compiled call (``nn.Module._compiled_call_impl``, private) is a frame of ours, since Dynamo skips frames of
-    ``torch.nn`` code: ``module.compile()`` would compile nothing of a root ``nn.Sequential`` or ``nn.Linear``."""
+    """``module.compile(...)``, keeping the module object and ``state_dict`` keys, naming graph breaks and recompiles;
+    with ``precompile_run`` (``runtime/precompile.py: run_key``) graphs are saved and loaded across processes. The call
+    (``nn.Module._compiled_call_impl``, private) is a frame of ours: Dynamo skips frames of ``torch.nn`` code, so
+    ``module.compile()`` would compile nothing of a root ``nn.Sequential`` or ``nn.Linear``."""
     key_caches_by_value()
 
     def sharded_call(*args, **kwargs):
