@@ -37,28 +37,20 @@ def _no_guards(entries: list) -> list[bool]:
     return [False] * len(entries)
 
 
-def source_digest() -> str:
-    """A digest of simplefsdp's own source: our passes change compiled graphs without being traced."""
-    package = Path(__file__).resolve().parents[1]
-    files = sorted(package.rglob("*.py"))
-    return hashlib.sha256(b"".join(path.read_bytes() for path in files)).hexdigest()
-
-
 def run_key(module: nn.Module, arguments: str) -> str:
-    """What a compiled graph of ``module`` depends on that stays fixed in a run: the machine, versions, simplefsdp's
-    source, ``compile_sharded``'s ``arguments``, the parameters' and buffers' names, this rank and its process
+    """What a compiled graph of ``module`` depends on that stays fixed in a run: the machine (a cache shared by hosts of
+    other CPUs or GPUs stays apart), versions, simplefsdp's source (our passes change compiled graphs without being
+    traced), ``compile_sharded``'s ``arguments``, the parameters' and buffers' names, this rank and its process
     groups."""
     meshes = {param.device_mesh for param in module.parameters() if isinstance(param, DTensor)}
     groups = sorted(f"{mesh_by_value(mesh)} at {mesh.get_coordinate()}" for mesh in meshes)
     names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
     names += [name for name, _ in module.named_buffers(remove_duplicate=False)]
-    return repr((machine(), torch.__version__, sys.version, source_digest(), arguments, names, groups))
-
-
-def machine() -> tuple:
-    """What compiled kernels depend on of this machine: a cache shared by hosts of other CPUs or GPUs stays apart."""
+    sources = sorted(Path(__file__).resolve().parents[1].rglob("*.py"))
+    source = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()
     gpus = [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
-    return platform.node(), platform.machine(), torch.backends.cpu.get_cpu_capability(), gpus
+    machine = platform.node(), platform.machine(), torch.backends.cpu.get_cpu_capability(), gpus
+    return repr((machine, torch.__version__, sys.version, source, arguments, names, groups))
 
 
 def _described(value: Any) -> Any:
