@@ -53,15 +53,6 @@ def agreement_groups(mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> tup
     return tuple(group.group_name for group in groups)
 
 
-def _digest(value: Any) -> str:
-    return hashlib.sha256(repr(value).encode()).hexdigest()
-
-
-def _fingerprint(module: nn.Module) -> list[str]:
-    params = [f"parameter {n} {tuple(p.shape)} {p.dtype}" for n, p in module.named_parameters(remove_duplicate=False)]
-    return params + [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
-
-
 def _first_difference(theirs: Sequence[str], first: Sequence[str], rank: int, first_rank: int) -> tuple[int, str]:
     """The index where ``theirs`` (``rank``'s) first differs from ``first`` (``first_rank``'s), and both entries
     there ("nothing" past the end of one)."""
@@ -78,8 +69,10 @@ def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh, arguments
     from the mesh's first rank, and the first difference (an error here, on every rank, not a later hang)."""
     groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
     arguments = arguments or {}
-    mine = [f"argument {name}={value!r}" for name, value in arguments.items()] + _fingerprint(module)
-    if len(set(gather_over_mesh(_digest(mine), groups).values())) == 1:
+    mine = [f"argument {name}={value!r}" for name, value in arguments.items()]
+    mine += [f"parameter {n} {tuple(p.shape)} {p.dtype}" for n, p in module.named_parameters(remove_duplicate=False)]
+    mine += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
+    if len(set(gather_over_mesh(hashlib.sha256(repr(mine).encode()).hexdigest(), groups).values())) == 1:
         return
     fingerprints = gather_over_mesh(mine, groups)
     first = min(fingerprints)
