@@ -79,7 +79,6 @@ def check_read_once(model: nn.Module, compile: bool) -> None:
                          "Quantize(..., error_feedback=False)")
 
 
-
 def quantize_pack(rows: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
     """Rows ``(R, N)`` of floats, ``N`` a multiple of ``block_size`` → packed ``uint8`` rows ``(R, packed_bytes)``."""
     blocks = rows.float().reshape(rows.shape[0], -1, block_size)
