@@ -2,10 +2,8 @@
 
 AOTAutograd runs with Inductor's decompositions and min-cut partitioner, so the split, checkpoint tags, saved tensors,
 collectives and their order are an Inductor compile's; Inductor's post-grad pattern passes are not run, so elementwise
-ops stay unfused. On meta or fake tensors nothing is allocated. Private details used only here: AOTAutograd's input
-descriptors (``node.meta["desc"]``), its ``_boxed_call`` marker, ``aten._scaled_dot_product_flash_attention``, the
-Python dispatcher's kernel tables (``global_decomposition_table``, ``OpOverload.py_kernels``), and for compiled-once
-blocks ``InvokeSubgraphHOP.gen_schema`` and the compile's ``InvokeSubgraphCache``."""
+ops stay unfused. On meta or fake tensors nothing is allocated. The private APIs used here are in ``ARCHITECTURE.md``'s
+table."""
 
 from __future__ import annotations
 
