@@ -1,11 +1,9 @@
 """Ranks agreeing before collectives run: the same model on every rank, and the same collectives in every compiled
 graph.
 
-The model check exchanges over the dimensions of a mesh with ``gather_over_mesh``, a hierarchical all-gather (along
-dim 0, then what is known so far along dim 1, ...), after which every rank holds every rank's data, without creating a
-process group; a graph's check all-reduces a digest per dimension. Digests go first; full data only when digests
-differ. Every rank then reaches the same verdict and raises the same ``ValueError``, so no rank is left waiting in a
-collective that a rank which raised never joins.
+The model check all-gathers over a mesh's dimensions (``gather_over_mesh``, no process group created); a graph's
+check all-reduces a digest per dimension. Digests go first, full data only when they differ; every rank then raises
+the same ``ValueError``, so no rank is left waiting in a collective that a rank which raised never joins.
 """
 
 from __future__ import annotations
