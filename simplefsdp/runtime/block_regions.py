@@ -25,13 +25,10 @@ from simplefsdp.runtime.replicate_compute import ReplicateComputation
 
 def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: ReplicateComputation,
                           gathers_in_region: bool, strict: bool) -> Callable[[], None]:
-    """Run each of ``model``'s ``blocks`` (FQNs, sharded by ``shard_parameters``) as gathers, then one shared region
-    per distinct block (not tensor-parallel ones: a region takes plain tensors, not DTensors). With
-    ``gathers_in_region`` the gathers run in a region of their own, which the backend inlines
-    (``ir.capture.compiling_regions``): traced once, they land in the outer graph as if traced per block. A call that
-    a region cannot run (modules in both modes, arguments other than tensors and constants) raises if ``strict``, and
-    else runs the block's own forward, which gathers each parameter as it reads it. Returns a function that puts
-    the blocks' forwards back."""
+    """Run each of ``model``'s ``blocks`` (FQNs, sharded by ``shard_parameters``, not tensor-parallel) as gathers, then
+    one shared region per distinct block; with ``gathers_in_region`` the gathers run in a region of their own, which
+    the backend inlines. A call that a region cannot run raises if ``strict``, and else runs the block's own forward.
+    Returns a function that puts the blocks' forwards back."""
     regions: dict[tuple, dict[bool, Callable]] = {}
     replaced: dict[nn.Module, Callable | None] = {}  # each block's forward of its own, if any
 
