@@ -2,10 +2,8 @@
 
 AOTAutograd runs with Inductor's decompositions and min-cut partitioner, so the split, checkpoint tags, saved tensors,
 collectives and their order are an Inductor compile's; Inductor's post-grad pattern passes are not run, so elementwise
-ops stay unfused. On meta or fake tensors nothing is allocated. Private details used only here: AOTAutograd's input
-descriptors (``node.meta["desc"]``), its ``_boxed_call`` marker, ``aten._scaled_dot_product_flash_attention``, the
-Python dispatcher's kernel tables (``global_decomposition_table``, ``OpOverload.py_kernels``), and for compiled-once
-blocks ``InvokeSubgraphHOP.gen_schema`` and the compile's ``InvokeSubgraphCache``."""
+ops stay unfused. On meta or fake tensors nothing is allocated. The private APIs used here are in ``ARCHITECTURE.md``'s
+table."""
 
 from __future__ import annotations
 
@@ -238,10 +236,8 @@ def _region_schemas_traced_once() -> Iterator[None]:
 @contextlib.contextmanager
 def _composites_differentiable_on_meta() -> Iterator[None]:
     """Inside, an op that autograd differentiates through its decomposition (``CompositeImplicitAutograd``) keeps its
-    gradient on meta tensors while AOTAutograd traces, as in eager: it decomposes at the ``AutogradMeta`` key.
-
-    torch 2.13's Python dispatcher runs such an op's Python meta kernel below autograd instead, so no gradient flows
-    through it (``torch.where(mask, x, -inf)`` in T5's decoder left its relative attention bias without one)."""
+    gradient on meta tensors while AOTAutograd traces, as in eager: torch 2.13's Python dispatcher ran its meta kernel
+    below autograd (``torch.where(mask, x, -inf)`` in T5's decoder left its relative attention bias without one)."""
     ops = {op for table in global_decomposition_table.values() for op in table
            if isinstance(op, OpOverload) and DispatchKey.Meta in op.py_kernels
            and op.has_kernel_for_dispatch_key(DispatchKey.CompositeImplicitAutograd)

@@ -93,11 +93,8 @@ def _dispatch_overhead() -> float:
 
 
 def _gloo_alpha_beta() -> tuple[float, float]:
-    """(latency s, bus bandwidth B/s) of all-gathers in the default group, fitted to a small and a large message.
-
-    Each all-gather follows a short matmul, as in a training step, so the latency includes the ranks drifting apart
-    between collectives; the matmul's own time is measured alone and subtracted.
-    """
+    """(latency s, bus bandwidth B/s) of all-gathers in the default group, fitted to a small and a large message,
+    each after a short matmul (as in a training step: the ranks drift apart) whose own time is subtracted."""
     import torch.distributed as dist
 
     ranks, sizes = dist.get_world_size(), (1 << 12, 1 << 22)  # bytes per all-gather output

@@ -1,14 +1,11 @@
 """``DiLoCo``: inner AdamW steps, and every ``sync_every`` steps an outer Nesterov step on the pseudo-gradient averaged
 over replica groups (Douillard et al.).
 
-Every parameter keeps an anchor (its value at the last outer step) and an outer momentum, DTensors like it, in the
-optimizer's state beside AdamW's: DCP checkpoints and torchft's healing carry them with no extra code. The
-pseudo-gradient ``anchor - parameter`` of every local shard goes in one flat all-reduce; the outer step is
-``m = mu * m + g; anchor -= outer_lr * (g + mu * m)`` (torch's Nesterov SGD), and the parameters become the anchor,
-bitwise equal in every group. A sync step that does not commit puts the parameters back to the anchor. With
-``outer_quantize`` the pseudo-gradient travels in ``Quantize``'s wire format instead (int8 or int4 codes, an fp32
-scale per block of 256; no error feedback, as Streaming DiLoCo), all-gathered: every group decodes every group's
-bytes in the same order, so the mean is bitwise equal in every group.
+Every parameter keeps an anchor (its value at the last outer step) and an outer momentum in the optimizer's state
+(why there: ``ARCHITECTURE.md``, "Fault-tolerant replica groups"). The pseudo-gradient ``anchor - parameter`` of every
+local shard goes in one flat all-reduce (with ``outer_quantize``, an all-gather in ``Quantize``'s wire format, no error
+feedback, as Streaming DiLoCo); the outer step is ``m = mu * m + g; anchor -= outer_lr * (g + mu * m)`` (torch's
+Nesterov SGD), and the parameters become the anchor, bitwise equal in every group.
 """
 
 from __future__ import annotations

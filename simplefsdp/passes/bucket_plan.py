@@ -8,9 +8,8 @@ unbucketed; ``"auto"``, see ``simplefsdp.passes.auto_buckets``. With ``"block"``
 ``hybrid_shard``'s replicas) are bucketed by bytes as DDP does: in backward order, up to half the memory budget
 (two buckets in flight, ``reorder``), by default 25 MiB (the first: 1 MiB).
 
-Every plan is a pure function of rank-invariant facts, so every rank of a group issues the same collectives: sizes
-are read by ``planned_bytes`` (the padded shard, never this rank's local one) and ``rank_local_nodes`` names the
-compute nodes that only exist or only have their sizes because of this rank's local shards, which no planner prices.
+Every plan is a pure function of rank-invariant facts (``planned_bytes``, ``rank_local_nodes``; why:
+``ARCHITECTURE.md``, "Every rank plans the same").
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Every private PyTorch Inductor API the passes use, in one place (tested in tests/test_passes.py and
-tests/test_torch_2_14.py).
+tests/test_torch_2_14.py; why each: ``ARCHITECTURE.md``, "Private PyTorch APIs").
 
-Inductor's FX bucketing replaces a list of collectives by one on a flat buffer: ``process_collective_bucket`` traces
-our ``bucket_copies.all_gather_bucket`` in place of all-gathers (folding a cast just before each into the copy-in),
-``merge_reduce_scatter_bucket`` (``custom_ops`` mode) copies gradients in with one opaque op and out as views. Padding
-for uneven shards stays outside the merged region. ``merge_all_reduce_bucket`` all-reduces gradients concatenated;
-all-to-alls (quantized gradients) go side by side through ``bucket_copies.all_to_all_bucket``.
-``preserve_node_ordering`` adds dependencies Inductor's scheduler must respect (its ``control_deps`` around a
-region call reshaped so that torch 2.14 lowers it too). ``bucket_traces_reused`` swaps
-the bucketing module's ``_trace`` (its ``make_fx`` of a bucket's body) for one that traces each signature once.
+Inductor's FX bucketing replaces a list of collectives by one on a flat buffer, tracing our
+``bucket_copies.all_gather_bucket`` and ``all_to_all_bucket`` in place of all-gathers and all-to-alls; padding for
+uneven shards stays outside the merged region. ``preserve_node_ordering`` pins an order for Inductor's scheduler.
 """
 
 from __future__ import annotations
@@ -78,10 +73,8 @@ def replace_collective(graph: fx.Graph, collective: fx.Node, fn: Callable[..., l
 @contextlib.contextmanager
 def bucket_traces_reused() -> Iterator[None]:
     """Inside, Inductor's bucketing traces a bucket's body once per signature (the function, its inputs' shapes,
-    strides and dtypes, its constants) and inserts that graph again for every bucket alike (a model's blocks).
-
-    The inserted copies share fake values: Inductor recomputes every new node's after our pass (its
-    ``FakeTensorUpdater``), and a schedule reads only their shapes and dtypes."""
+    strides and dtypes, its constants) and inserts that graph again for every bucket alike (a model's blocks). The
+    copies share fake values, which Inductor recomputes after our pass (``FakeTensorUpdater``)."""
     trace, traced = bucketing._trace, {}
 
     def trace_once(fn: Callable, inputs: tuple) -> fx.GraphModule:
@@ -134,10 +127,9 @@ def pin_order(graph: fx.Graph, after: dict[fx.Node, list[fx.Node]]) -> None:
 
 def _lowerable_on_torch_2_14(graph: fx.Graph, pinned_node: fx.Node) -> None:
     """Make ``pinned_node`` (a node wrapped in ``control_deps``, a block's region call among them) one that torch 2.14
-    lowers. Its lowering realizes every argument and every output of ``control_deps``, which a subgraph and a ``None``
-    gradient cannot be ("realize NYI on Subgraph"): the wrapped graph reads the subgraphs itself (Inductor resolves
-    their names on the outer module, which keeps the attributes as long as no unused ``get_attr`` names them: those it
-    deletes, so they are erased) and returns ``None`` outputs as constants."""
+    lowers: the wrapped graph reads the subgraphs itself and returns ``None`` outputs as constants (why:
+    ``ARCHITECTURE.md``'s table). Unused ``get_attr`` nodes are erased: Inductor would delete the attributes they
+    name."""
     owner = graph.owning_module
     wrapped = getattr(owner, pinned_node.args[1].target)
     placeholders = wrapped.graph.find_nodes(op="placeholder")

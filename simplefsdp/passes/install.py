@@ -1,8 +1,5 @@
-"""Our passes as one Inductor ``post_grad_custom_post_pass``, scoped to one compiled model.
-
-``OverlapPasses`` goes into the ``torch.compile(options=...)`` of one model only, so other models compiled in the
-process are unaffected; its ``uuid()`` hashes the options and the source of ``passes/`` and ``ir/``, so Inductor's FX
-graph cache stays valid. ``stages`` is the one code path of the passes, for Inductor and for ``simplefsdp.inspect``.
+"""Our passes as one Inductor ``post_grad_custom_post_pass``, scoped to one compiled model (other models compiled in
+the process are unaffected); ``OverlapPasses.stages`` is the one code path of the passes, for Inductor and ``inspect``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """The pass side of the cross-rank guard: one call of ``simplefsdp::agree_on_collectives`` at the top of a compiled
 graph, with the graph's collective signature (``ir.signature``) baked in as a constant, and every collective of the
-graph pinned after it.
-
-At run time, before the graph's first collective, the op checks at every run that every rank runs a graph with these
-collectives now, and names the first that differs where one does (``runtime/rank_agreement.py``). Its arguments are
-constants of the graph, so a graph loaded from Inductor's FX graph cache, where this pass did not run, checks its own
-plan too. The pass itself runs no collective.
+graph pinned after it. The op's run-time side is ``runtime/rank_agreement.py``; why: ``ARCHITECTURE.md``, "The
+cross-rank guard". The pass itself runs no collective.
 """
 
 from __future__ import annotations

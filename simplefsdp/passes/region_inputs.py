@@ -1,10 +1,8 @@
 """Let the partitioner recompute what a compiled-once block reads: its gathered parameters (resharding after forward).
 
-AOTAutograd partitions a ``nested_compile_region`` on its own; the region's forward then returns the inputs its
-backward needs (the gathered weights) as saved outputs, which the outer partitioner can only keep alive until
-backward. ``recompute_region_inputs`` points each use of such a pass-through output at the region's input itself, so
-the outer partitioner sees the backward reading the all-gather's result and, the gather being tagged must-recompute,
-gathers again in backward as the whole-graph path does. Run on the joint graph, before partitioning.
+A region's forward returns the gathered weights its backward needs as saved outputs, which the outer partitioner can
+only keep; ``recompute_region_inputs`` points each use of such an output at the region's input, the must-recompute
+gather, so backward gathers again. Run on the joint graph, before partitioning.
 """
 
 from __future__ import annotations

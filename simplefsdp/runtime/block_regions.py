@@ -1,24 +1,9 @@
 """Compile a repeated block once: each block's compute runs in a ``torch.compiler.nested_compile_region``.
 
-A block (``passes.bucket_plan.find_blocks``) gathers all its parameters first, outside the region (one checkpoint,
-recomputed in backward when resharding after forward, instead of one per parameter), then calls the region with the
-gathered tensors: ``torch.func.functional_call`` of a copy of the block that holds no data. Blocks of one structure
-(modules' classes and settings, parameter names and shapes) share one region per mode, so Dynamo traces its compute
-once and stamps it out for the repeats, AOTAutograd partitions it once and Inductor compiles it once. By default
-blocks that differ only in a setting's value (Hugging Face's ``layer_idx``) share one too, the setting unreadable in
-it: a compute that reads it fails to compile, and the model steps back to the whole graph
-(``whole_graph_where_regions_fail``), as it does wherever torch refuses a region. The collectives
-stay in the outer graphs, where the passes bucket and reorder them, and the backward gathers a block again just before
-its backward region (``passes/region_inputs.py``). Under Inductor the gathers run in a region of their own, shared by
-all blocks, so Dynamo traces them once too; our backends inline its calls into the outer graph before AOTAutograd
-(``ir.capture.compiling_regions``), each named by its block.
-
-An activation-checkpointed block (``apply_activation_checkpointing``) checkpoints its compute inside the region, with
-the same policy: the region's backward recomputes it, and the gathers stay outside, recomputed as without checkpointing.
-
-Costs: no fusion across a block's edge; collectives are named by their block (``layers.0``), not by the module that
-reads them; Inductor's buffer reuse is off for the model (torch 2.13 reused a buffer that a later region call still
-read: wrong gradients, ``test_parity``). Not yet: tensor-parallel blocks (a region takes plain tensors).
+A block (``passes.bucket_plan.find_blocks``) gathers all its parameters first, outside the region, then calls the
+region with the gathered tensors: ``torch.func.functional_call`` of a copy of the block that holds no data. Blocks of
+one structure share one region per mode; the collectives stay in the outer graphs. Why each piece is there, and what
+it costs: ``ARCHITECTURE.md``, "Compiling a repeated block once".
 """
 
 from __future__ import annotations
@@ -40,13 +25,10 @@ from simplefsdp.runtime.replicate_compute import ReplicateComputation
 
 def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: ReplicateComputation,
                           gathers_in_region: bool, strict: bool) -> Callable[[], None]:
-    """Run each of ``model``'s ``blocks`` (FQNs, sharded by ``shard_parameters``) as gathers, then one shared region
-    per distinct block (not tensor-parallel ones: a region takes plain tensors, not DTensors). With
-    ``gathers_in_region`` the gathers run in a region of their own, which the backend inlines
-    (``ir.capture.compiling_regions``): traced once, they land in the outer graph as if traced per block. A call that
-    a region cannot run (modules in both modes, arguments other than tensors and constants) raises if ``strict``, and
-    else runs the block's own forward, which gathers each parameter as it reads it. Returns a function that puts
-    the blocks' forwards back."""
+    """Run each of ``model``'s ``blocks`` (FQNs, sharded by ``shard_parameters``, not tensor-parallel) as gathers, then
+    one shared region per distinct block; with ``gathers_in_region`` the gathers run in a region of their own, which
+    the backend inlines. A call that a region cannot run raises if ``strict``, and else runs the block's own forward.
+    Returns a function that puts the blocks' forwards back."""
     regions: dict[tuple, dict[bool, Callable]] = {}
     replaced: dict[nn.Module, Callable | None] = {}  # each block's forward of its own, if any
 
@@ -67,7 +49,9 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
                            (*(f"{prefix}.{name}".lstrip(".") for prefix, _, name in reads_of[fqn]),
                             *(name for name, _ in buffers)),
                            tuple((tensor.shape, tensor.stride(), tensor.dtype) for tensor in tensors),
-                           _checkpoint_options(block))
+                           # a checkpointed block's forward: checkpoint's keyword arguments
+                           None if (forward := vars(block).get("forward")) is None
+                           else tuple(sorted(forward.keywords.items())))
     for fqn in blocks:
         block, reads, signature = model.get_submodule(fqn), reads_of[fqn], signatures[fqn]
         buffers, names = list(block.named_buffers()), list(signature[1])
@@ -167,24 +151,11 @@ def _unreadable(key: str) -> property:
     return property(read)
 
 
-def _checkpoint_options(block: nn.Module) -> tuple | None:
-    """The keyword arguments (sorted items) ``block``'s forward passes to ``checkpoint``, or None when it is not
-    checkpointed."""
-    forward = vars(block).get("forward")
-    return None if forward is None else tuple(sorted(forward.keywords.items()))
-
-
 def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, name: str) -> Callable:
     """A call of the nested compile region that runs ``template`` on given tensors (``names``' values, the first
     positional arguments) and the block's own arguments, inside ``checkpoint`` with ``checkpointing``'s options if not
-    None; it returns the block's output.
-
-    Called with tensors and constants as its positional arguments, Dynamo fingerprints a call without tracing a pytree
-    flatten. It traces the region once and stamps it out for every later call with the same ``reuse_key``: its own
-    check, which would trace every call again, refuses ``functional_call``'s swapping of the template's tensors.
-    Dynamo reuses only a region that returns a tensor or a tuple of tensors, so for an output with other leaves
-    (``(hidden, None)``) the region returns its tensors and records, per reuse key while it is traced, the output's
-    structure, from which the call rebuilds it."""
+    None; it returns the block's output. Dynamo traces it once per ``reuse_key``; an output with leaves other than
+    tensors (``(hidden, None)``) is rebuilt from the structure recorded while tracing (``ARCHITECTURE.md``)."""
 
     def run(*flat, **kwargs):
         return functional_call(template, dict(zip(names, flat)), flat[len(names):], kwargs, tie_weights=False)
@@ -209,10 +180,7 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, 
     region_id = id(template)
 
     def reuse_key(*flat, **kwargs) -> int:
-        """Equal for two calls of this region that can run the same traced code: whether each of the block's tensors
-        requires grad (their shapes, strides and dtypes are the region's), the same nesting of the block's arguments,
-        each tensor's static sizes, strides, dtype, device and whether it requires grad, every other value (a symbolic
-        size: -1)."""
+        """Equal for two calls of this region that can run the same traced code (a symbolic size counts as -1)."""
         return hash((region_id, *[tensor.requires_grad for tensor in flat[:len(names)]], _describe(flat[len(names):]),
                      _describe(kwargs)))
 

@@ -66,10 +66,7 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
     """Load the checkpoint at ``path`` into ``model`` (its error feedback too, and ``optimizer``) in place; return
-    its step.
-
-    Raises ``ValueError`` naming the first parameter whose shape differs, before any collective.
-    """
+    its step. Raises ``ValueError`` naming the first parameter whose shape differs, before any collective."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata file); pass a step-* directory")

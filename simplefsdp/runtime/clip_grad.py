@@ -12,9 +12,8 @@ from torch.distributed.tensor import DTensor
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` of the unsharded model, summing each gradient's shards over the mesh
-    dimensions it is sharded on (dp, and tp for a tensor-parallel parameter), never over its replicas.
-
-    Scales the gradients in place to a total ``norm_type``-norm of at most ``max_norm``; returns the norm before."""
+    dimensions it is sharded on (dp, and tp for a tensor-parallel parameter), never over its replicas: scales the
+    gradients in place to a total ``norm_type``-norm of at most ``max_norm``; returns the norm before."""
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")

@@ -38,13 +38,10 @@ from simplefsdp.runtime.unused_outputs import KeepGradientsOfUnusedOutputs
 
 def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any],
                      precompile_run: str | None = None) -> None:
-    """``module.compile(...)``, keeping the module object and ``state_dict`` keys; the first call names graph breaks,
-    a later one that recompiles says why on rank 0.
-    With ``precompile_run`` (``runtime/precompile.py: run_key``), graphs are saved and loaded across processes;
-    without it, a parameter that gets no gradient keeps its ``grad`` (``runtime/unused_outputs.py``).
-
-    The compiled call (``nn.Module._compiled_call_impl``, private) is a frame of ours, since Dynamo skips frames of
-    ``torch.nn`` code: ``module.compile()`` would compile nothing of a root ``nn.Sequential`` or ``nn.Linear``."""
+    """``module.compile(...)``, keeping the module object and ``state_dict`` keys, naming graph breaks and recompiles;
+    with ``precompile_run`` (``runtime/precompile.py: run_key``) graphs are saved and loaded across processes. The call
+    (``nn.Module._compiled_call_impl``, private) is a frame of ours: Dynamo skips frames of ``torch.nn`` code, so
+    ``module.compile()`` would compile nothing of a root ``nn.Sequential`` or ``nn.Linear``."""
     key_caches_by_value()
 
     def sharded_call(*args, **kwargs):
@@ -111,9 +108,7 @@ def _refuse_eager_past_the_recompile_limit(compiled: Callable) -> Callable:
 
 class InductorOncePerHost(_TorchCompileInductorWrapper):
     """``torch.compile``'s Inductor backend (same mode and options), compiling each graph under a file lock keyed by
-    the graph: of the ranks of a host that compile the same graph at once, one compiles it and the others wait,
-    then load it from AOTAutograd's cache, instead of all tracing and compiling it on the same cores. Ranks whose
-    graphs differ (uneven shards) hold different locks and compile side by side."""
+    the graph: of the ranks of a host compiling the same graph, one compiles it, the others load it from the cache."""
 
     def __call__(self, model_, inputs_, *, config_patches=None):
         check_vector_isas_once_per_machine()  # here, not at compile_sharded: its cost is the first step's
@@ -126,10 +121,9 @@ class InductorOncePerHost(_TorchCompileInductorWrapper):
 
 @contextlib.contextmanager
 def _graph_lock(gm: torch.fx.GraphModule, example_inputs):
-    """Hold this host's lock of Dynamo's graph ``gm`` (its code, its inputs' shapes, strides and dtypes, a DTensor's
-    local shard's too) while it compiles: a process that waited finds the graph in AOTAutograd's cache and skips
-    AOTAutograd's tracing, the passes and Inductor. No lock where the FX graph cache is off, or under ``aot_compile``
-    (``runtime/precompile.py``), which keys AOTAutograd's cache per process: nothing would be loaded."""
+    """Hold this host's lock of Dynamo's graph ``gm`` (its code and inputs) while it compiles. No lock where the FX
+    graph cache is off, or under ``aot_compile`` (``runtime/precompile.py``), which keys AOTAutograd's cache per
+    process: nothing would be loaded."""
     if not inductor_config.fx_graph_cache or torch._functorch.config.bypass_autograd_cache_key:
         yield
         return
@@ -160,13 +154,9 @@ def _file_lock(path: str):
 
 
 def key_caches_by_value() -> None:
-    """Make the compile caches' keys hold what a compiled graph depends on, the same in every process (idempotent).
-
-    PyTorch 2.13 keys a ``DeviceMesh`` graph input of Inductor's FX graph cache by ``_hash``, a string hash that
-    differs in every process (``PYTHONHASHSEED``), so no second process would hit; ours is ``_stable_hash``
-    (ranks, layout, device, dim names) and the names of this rank's process groups (baked into the collectives).
-    AOTAutograd keys a ``DTensor`` by its global shape and placements alone, so with uneven shards a rank would load
-    the graph compiled for another rank's shard shape; ours adds the local shard's shape and strides."""
+    """Make the compile caches' keys hold what a compiled graph depends on, the same in every process (idempotent):
+    a ``DeviceMesh`` input by value, not by torch 2.13's per-process ``_hash`` (no second process would hit), and a
+    ``DTensor`` with its local shard's shape and strides (with uneven shards a rank would load another's graph)."""
     FxGraphCachePickler._reduce_fake_script_object = _reduce_mesh_by_value
     AOTAutogradCachePickler._reduce_tensor_subclass = _reduce_dtensor_with_local_shard
 

@@ -1,12 +1,6 @@
-"""Inductor's check of this CPU's vector instruction sets, done once per machine instead of once per process.
-
-Before it loads its first C++ kernel, each Inductor process checks every vector ISA the CPU reports (AVX2, AVX-512,
-...) by building a test library (into Inductor's cache directory) and loading it in a child Python process: 1.4 s at
-every start of every rank, 8 s where Inductor's cache directory is empty. Once every check has passed here, a marker
-in ``SIMPLEFSDP_CACHE`` (beside the ``cpu`` hardware profile), keyed by host, the CPU's flags, the C++ compiler and
-torch, says so, and later processes tell Inductor the ISAs are usable (``cpp.vec_isa_ok``) instead of checking again.
-Inductor still checks the extensions (AVX512-BF16, VNNI, AMX) itself. Where any check fails nothing is recorded and
-Inductor checks as before. Private: ``torch._inductor.cpu_vec_isa`` and ``cpp_builder``.
+"""Inductor's check of this CPU's vector instruction sets, done once per machine instead of once per process: once
+every check has passed, a marker in ``SIMPLEFSDP_CACHE`` lets later processes set ``cpp.vec_isa_ok`` (what it saves
+and why: ``ARCHITECTURE.md``, "Caches"). Private: ``torch._inductor.cpu_vec_isa`` and ``cpp_builder``.
 """
 
 from __future__ import annotations

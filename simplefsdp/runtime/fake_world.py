@@ -14,8 +14,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
     The body sees no DTensor state of an earlier world of this process, nor leaves any to a later one."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the only way to start "fake"
-    # private: the only way to empty DTensor's sharding-propagation caches, its Python one and its C++ fast path's
-    # (imported here, as FakeStore: torch.distributed.tensor.debug loads Dynamo, which a launcher does not need)
+    # private: the only way to empty DTensor's sharding-propagation caches (imported here: it loads Dynamo)
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     if dist.is_initialized():
@@ -23,9 +22,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
                            "its own fake group, so call it before init_process_group (or from `simplefsdp inspect`)")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}) for a world of {world_size}, got {rank!r}")
-    # DTensor caches each op's output placement by its inputs' DTensorSpecs, and a DeviceMesh compares equal on every
-    # rank: a spec cached while tracing another rank would carry that rank's mesh (its coordinate: which rows its
-    # shard holds), and this rank's ops would narrow and pad for that rank.
+    # a spec cached while tracing another rank would carry that rank's mesh: why, ARCHITECTURE.md's private-API table
     _clear_sharding_prop_cache()
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:

@@ -1,11 +1,6 @@
-"""Fault-tolerant replica groups on torchft (the ``ft`` extra).
-
-Each replica group trains ``fully_shard`` in its own ``torchrun`` world. What crosses groups is the ``sync`` mode's:
-``step`` averages the reduce-scattered gradient shards over the groups taking part in this step (one all-reduce
-through torchft's ``Manager``) before the optimizer steps; ``demo`` and ``diloco`` leave the exchange to their
-optimizer (``simplefsdp.optim.DeMo``, ``DiLoCo``), which communicates through this class's ``Collectives``. The
-optimizer steps only when the step commits. A restarted group copies parameters, optimizer state (momentum,
-anchors), step and RNG from a live group, then rejoins.
+"""Fault-tolerant replica groups on torchft (the ``ft`` extra): each group trains ``fully_shard`` in its own
+``torchrun`` world, and what crosses groups is the ``sync`` mode's (``ARCHITECTURE.md``, "Fault-tolerant replica
+groups"). The optimizer steps only when the step commits; a restarted group heals from a live one, then rejoins.
 """
 
 from __future__ import annotations

@@ -78,5 +78,4 @@ def check_tensor_parallel_world(world_size: int, tp: int, mode: str) -> None:
 
 def mesh_by_value(mesh: DeviceMesh) -> str:
     """``mesh`` as what a graph compiled for it depends on: ranks, layout, device, dim names, process groups' names."""
-    groups = [mesh.get_group(dim).group_name for dim in range(mesh.ndim)]
-    return f"DeviceMesh {mesh._stable_hash()} groups {groups}"
+    return f"DeviceMesh {mesh._stable_hash()} groups {list(data_parallel_groups(mesh))}"

@@ -26,10 +26,8 @@ RANDOM_FILLS = {
 
 
 def materialize_sharded(model: nn.Module, init_fn: Callable[[], None] | None = None) -> nn.Module:
-    """Allocate ``model``'s shards (built on ``meta``, then ``compile_sharded``) and initialize them in place.
-
-    ``init_fn`` (default ``model.init_weights``) must set every parameter and buffer.
-    """
+    """Allocate ``model``'s shards (built on ``meta``, then ``compile_sharded``) and initialize them in place;
+    ``init_fn`` (default ``model.init_weights``) must set every parameter and buffer."""
     params = list(model.parameters())
     if not params or not all(isinstance(p, DTensor) for p in params):
         raise ValueError("materialize_sharded expects a model built on 'meta' and passed through compile_sharded first")

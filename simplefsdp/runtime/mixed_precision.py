@@ -12,10 +12,8 @@ from torch.utils._pytree import tree_map
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """``param_dtype``: compute dtype of gathered parameters; ``reduce_dtype``: dtype of gradient reduction.
-
-    ``None`` keeps the parameter's own dtype, as do the sharded parameters and the gradients the optimizer sees.
-    """
+    """``param_dtype``: compute dtype of gathered parameters; ``reduce_dtype``: dtype of gradient reduction. ``None``
+    keeps the parameter's own dtype, as do the sharded parameters and the gradients the optimizer sees."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None

@@ -1,13 +1,7 @@
 """A sharded module's compiled call saved to disk, so that a later process loads it instead of tracing again:
-``compile_sharded(precompile=True)``.
-
-Dynamo decides which compiled graph fits a call by its guards, which it cannot save for a sharded module: their pickle
-reaches the classes that sharding makes at run time, and loading them costs more than tracing again. A precompiled
-call instead keys each graph by what it depends on: fixed in a run (``run_key``: the machine, versions, the model,
-the arguments of ``compile_sharded``, the process groups) and at each call (the inputs, the modules' plain
-attributes, the gradient-sync state and torch's global state). Each key gets one graph, compiled by
-``torch.compile(...).aot_compile`` with no guards and saved under ``SIMPLEFSDP_CACHE``. A saved graph is loaded only
-if the source of every function Dynamo traced for it is unchanged.
+``compile_sharded(precompile=True)``. Each graph is keyed by what it depends on (``run_key`` per run, ``ModuleState``
+and the inputs per call) instead of Dynamo's guards, which cannot be saved for a sharded module; why and what it
+costs: ``ARCHITECTURE.md``, "Precompiled graphs".
 """
 
 from __future__ import annotations
@@ -43,28 +37,20 @@ def _no_guards(entries: list) -> list[bool]:
     return [False] * len(entries)
 
 
-def source_digest() -> str:
-    """A digest of simplefsdp's own source: our passes change compiled graphs without being traced."""
-    package = Path(__file__).resolve().parents[1]
-    files = sorted(package.rglob("*.py"))
-    return hashlib.sha256(b"".join(path.read_bytes() for path in files)).hexdigest()
-
-
 def run_key(module: nn.Module, arguments: str) -> str:
-    """What a compiled graph of ``module`` depends on that stays fixed in a run: the machine, versions, simplefsdp's
-    source, ``compile_sharded``'s ``arguments``, the parameters' and buffers' names, this rank and its process
+    """What a compiled graph of ``module`` depends on that stays fixed in a run: the machine (a cache shared by hosts of
+    other CPUs or GPUs stays apart), versions, simplefsdp's source (our passes change compiled graphs without being
+    traced), ``compile_sharded``'s ``arguments``, the parameters' and buffers' names, this rank and its process
     groups."""
     meshes = {param.device_mesh for param in module.parameters() if isinstance(param, DTensor)}
     groups = sorted(f"{mesh_by_value(mesh)} at {mesh.get_coordinate()}" for mesh in meshes)
     names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
     names += [name for name, _ in module.named_buffers(remove_duplicate=False)]
-    return repr((machine(), torch.__version__, sys.version, source_digest(), arguments, names, groups))
-
-
-def machine() -> tuple:
-    """What compiled kernels depend on of this machine: a cache shared by hosts of other CPUs or GPUs stays apart."""
+    sources = sorted(Path(__file__).resolve().parents[1].rglob("*.py"))
+    source = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()
     gpus = [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
-    return platform.node(), platform.machine(), torch.backends.cpu.get_cpu_capability(), gpus
+    machine = platform.node(), platform.machine(), torch.backends.cpu.get_cpu_capability(), gpus
+    return repr((machine, torch.__version__, sys.version, source, arguments, names, groups))
 
 
 def _described(value: Any) -> Any:

@@ -79,7 +79,6 @@ def check_read_once(model: nn.Module, compile: bool) -> None:
                          "Quantize(..., error_feedback=False)")
 
 
-
 def quantize_pack(rows: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
     """Rows ``(R, N)`` of floats, ``N`` a multiple of ``block_size`` → packed ``uint8`` rows ``(R, packed_bytes)``."""
     blocks = rows.float().reshape(rows.shape[0], -1, block_size)
@@ -157,9 +156,7 @@ class _QuantizedReplicate(torch.autograd.Function):
         shard_group = (mesh, mesh.ndim - 1)
         replicas, shards = replicas_and_shards(mesh, placements)
         values, padded = padded_rows(shape, shards, quantize.block_size, replicas)
-        ctx.mesh, ctx.placements, ctx.shape, ctx.error = mesh, placements, shape, error
-        ctx.quantize, ctx.reduce_dtype = quantize, reduce_dtype
-        ctx.shard_shape, ctx.shard_dtype = shard.shape, shard.dtype
+        ctx.reduce_args = error, mesh, placements, shape, quantize, reduce_dtype, shard.shape, shard.dtype
         row = shard.reshape(1, -1)
         if shards == 1:  # replicas only: nothing to gather
             full = row.to(param_dtype)
@@ -174,9 +171,7 @@ class _QuantizedReplicate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        shard_grad = quantized_reduce(grad, ctx.error, ctx.mesh, ctx.placements, ctx.shape, ctx.quantize,
-                                      ctx.reduce_dtype, ctx.shard_shape, ctx.shard_dtype)
-        return shard_grad, None, None, None, None, None, None, None
+        return quantized_reduce(grad, *ctx.reduce_args), None, None, None, None, None, None, None
 
 
 def quantized_reduce(grad: torch.Tensor, error: torch.Tensor | None, mesh: DeviceMesh, placements: Sequence[Placement],

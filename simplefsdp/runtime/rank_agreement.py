@@ -1,11 +1,9 @@
 """Ranks agreeing before collectives run: the same model on every rank, and the same collectives in every compiled
 graph.
 
-The model check exchanges over the dimensions of a mesh with ``gather_over_mesh``, a hierarchical all-gather (along
-dim 0, then what is known so far along dim 1, ...), after which every rank holds every rank's data, without creating a
-process group; a graph's check all-reduces a digest per dimension. Digests go first; full data only when digests
-differ. Every rank then reaches the same verdict and raises the same ``ValueError``, so no rank is left waiting in a
-collective that a rank which raised never joins.
+The model check all-gathers over a mesh's dimensions (``gather_over_mesh``, no process group created); a graph's
+check all-reduces a digest per dimension. Digests go first, full data only when they differ; every rank then raises
+the same ``ValueError``, so no rank is left waiting in a collective that a rank which raised never joins.
 """
 
 from __future__ import annotations
@@ -53,15 +51,6 @@ def agreement_groups(mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> tup
     return tuple(group.group_name for group in groups)
 
 
-def _digest(value: Any) -> str:
-    return hashlib.sha256(repr(value).encode()).hexdigest()
-
-
-def _fingerprint(module: nn.Module) -> list[str]:
-    params = [f"parameter {n} {tuple(p.shape)} {p.dtype}" for n, p in module.named_parameters(remove_duplicate=False)]
-    return params + [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
-
-
 def _first_difference(theirs: Sequence[str], first: Sequence[str], rank: int, first_rank: int) -> tuple[int, str]:
     """The index where ``theirs`` (``rank``'s) first differs from ``first`` (``first_rank``'s), and both entries
     there ("nothing" past the end of one)."""
@@ -75,14 +64,13 @@ def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh, arguments
                                   ) -> None:
     """Compare ``arguments`` (``compile_sharded``'s, as ``name=repr``) and parameter/buffer names, shapes and dtypes
     across the mesh; raise the same ``ValueError`` on every rank if any differ, naming the lowest rank that differs
-    from the mesh's first rank, and the first difference.
-
-    One object all-gather of a digest per mesh dimension (two more rounds of full fingerprints on a mismatch): a
-    mismatch is an error here, on every rank, not a hang in a later collective."""
+    from the mesh's first rank, and the first difference (an error here, on every rank, not a later hang)."""
     groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
     arguments = arguments or {}
-    mine = [f"argument {name}={value!r}" for name, value in arguments.items()] + _fingerprint(module)
-    if len(set(gather_over_mesh(_digest(mine), groups).values())) == 1:
+    mine = [f"argument {name}={value!r}" for name, value in arguments.items()]
+    mine += [f"parameter {n} {tuple(p.shape)} {p.dtype}" for n, p in module.named_parameters(remove_duplicate=False)]
+    mine += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
+    if len(set(gather_over_mesh(hashlib.sha256(repr(mine).encode()).hexdigest(), groups).values())) == 1:
         return
     fingerprints = gather_over_mesh(mine, groups)
     first = min(fingerprints)
@@ -133,12 +121,9 @@ SEEN = 1 << 61  # added to a pair by a rank that saw a difference: lifts the gro
 
 
 def _difference_seen(pairs: Sequence[tuple[dist.ProcessGroup, torch.Tensor]]) -> bool:
-    """Whether, at this call, the ranks of some group of the mesh run graphs with different collectives on it: one
-    all-reduce (max) of a pair of ``_digest_pairs`` per group, the same collective whatever graph a rank runs, and so
-    on every rank the same answer. A rank that has seen a difference adds ``SEEN`` to its next pairs, and the groups
-    of all but the last dimension all-reduce once more: on a mesh of n dimensions those n - 1 all-reduces reach every
-    rank from any group (each group of one dimension holds a member of every group of another). Two elements a
-    reduction: gloo took twice as long for three."""
+    """Whether, at this call, the ranks of some group of the mesh run graphs with different collectives on it, the
+    same answer on every rank: an all-reduce (max) of each pair of ``_digest_pairs``, then one more per group of all
+    but the last dimension carrying ``SEEN`` (why: ``ARCHITECTURE.md``, "The cross-rank guard")."""
     seen = False
     for group, pair in [*pairs, *((group, torch.zeros_like(pair)) for group, pair in pairs[:-1])]:
         reduced = pair + SEEN if seen else pair.clone()
@@ -175,9 +160,7 @@ def raise_for_difference(lines: Sequence[str], groups: Sequence[dist.ProcessGrou
 def agree_on_collectives(lines: str, group_names: str) -> torch.Tensor:
     """Check, at every call, that the ranks of the mesh whose dimensions' groups are ``group_names`` (comma-separated)
     run a graph with the collective ``lines`` (newline-separated) now (``_difference_seen``), and raise the same
-    ``ValueError`` on every rank where they do not. The first call of a graph exchanges what every later call does,
-    so a rank that has just compiled a graph and a rank that runs one compiled before meet in the same collective.
-    Returns an empty tensor for the graph's collectives to depend on."""
+    ``ValueError`` on every rank where they do not. Returns an empty tensor for the graph's collectives to depend on."""
     if (lines, group_names) not in GRAPHS:
         groups = [process_group(name) for name in group_names.split(",")]
         GRAPHS[lines, group_names] = _digest_pairs(lines.split("\n"), groups)

@@ -65,14 +65,10 @@ def broadcast_buffers(module: nn.Module, mesh: DeviceMesh) -> None:
 
 def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: ReplicateComputation,
                      blocks: tuple[str, ...] = ()) -> None:
-    """Replace each parameter by a DTensor parameter placed for ``mode`` and install the gathering getters.
-
-    Values come from the mesh's first rank; a 0-dim parameter is replicated (its gradient all-reduced). A tied
-    parameter becomes one DTensor shared by the same modules. A tensor-parallel DTensor (``parallelize_module``)
-    becomes a DTensor on the (dp, tp) mesh (``tensor_parallel.py``). Where the model has ``blocks``, the modules
-    outside them keep their gathered parameters from forward to backward, as FSDP2 keeps its root's: the output layer
-    is the first the backward needs, and an embedding's backward reads no weight.
-    """
+    """Replace each parameter by a DTensor parameter placed for ``mode`` (values from the mesh's first rank; a tied
+    parameter stays one, a tensor-parallel one goes on the (dp, tp) mesh) and install the gathering getters. Where
+    the model has ``blocks``, the modules outside them keep their gathered parameters from forward to backward, as
+    FSDP2 keeps its root's: the output layer is the first the backward needs; an embedding's backward reads no weight."""
     _refuse_optimizers_outside_the_sharding()
     sharded: dict[int, tuple[int, nn.Parameter, torch.Tensor, torch.Tensor | None]] = {}
     outside_blocks = dataclasses.replace(replicate, reshard_after_forward=False) if blocks else replicate
@@ -113,10 +109,8 @@ def _shard_plain_tensors(module: nn.Module, state_dict: dict, prefix: str, *args
 @functools.cache
 def _refuse_optimizers_outside_the_sharding() -> None:
     """From now on, an optimizer's first step (and its first after its parameter groups change size) raises
-    ``ValueError`` if the optimizer holds a parameter that ``shard_parameters`` replaced (made before
-    ``compile_sharded``, it would step tensors no gradient reaches: the model would silently never train), or a plain
-    trained parameter beside a sharded one on more than one rank (``compile_sharded`` applied to submodules only: no
-    rank averages its gradient, and the ranks drift apart)."""
+    ``ValueError`` if the optimizer holds a parameter that ``shard_parameters`` replaced, or a plain trained parameter
+    beside a sharded one on more than one rank (each error says why)."""
 
     def refuse(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         param_counts = [len(group["params"]) for group in optimizer.param_groups]

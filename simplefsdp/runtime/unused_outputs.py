@@ -1,12 +1,9 @@
 """A compiled model's parameter that gets no gradient keeps ``.grad`` as it was, as in eager PyTorch and FSDP2.
 
-AOTAutograd's backward of a compiled graph takes a gradient for every differentiable output, and torch 2.13 hands it
-zeros for an output the loss does not read (pytorch#131794): an input that feeds only such outputs got an all-zero
-gradient (reduce-scattered) where eager leaves ``grad`` None, so after ``zero_grad(set_to_none=True)`` momentum kept
-moving it. Here each Dynamo graph is read once for which outputs each input reaches; at each call a hook on the
-backward node the outputs share sees which outputs got a gradient (autograd hands the hook None for the others) and
-drops the gradient of every leaf input that reaches none of them, before it is accumulated. The compiled backward
-still runs whole, its reduce-scatters included: skipping them would take a backward graph per set of outputs read.
+torch 2.13's compiled backward hands zeros for an output the loss does not read (pytorch#131794), so an input feeding
+only such outputs got an all-zero gradient. Each Dynamo graph is read once for which outputs each input reaches; a hook
+on the outputs' backward node drops the gradient of every leaf input that reaches none the loss read. The compiled
+backward, its reduce-scatters included, still runs whole.
 """
 
 from __future__ import annotations
