@@ -2,7 +2,7 @@
 
 1. Cut the collectives into units. All-gathers: one per child module of a repeated block (``layers.3.attention``) and
    per top-level module outside the blocks (``tok_embeddings``). Other kinds (reduce-scatters, all-to-alls,
-   all-reduces): one per block, and outside the blocks one per module as for all-gathers. Each unit has its full buffer bytes
+   all-reduces): one per block plus head and tail (the ``"block"`` plan's units). Each unit has its full buffer bytes
    (``planned_bytes``) and the roofline compute time of its modules' nodes, leaving out the nodes that depend on this
    rank's local shards (``rank_local_nodes``: pads, narrows and casts of the shard), so every rank plans the same.
 2. Walk the units of each (kind, process group, dtype) in program order and grow the current bucket by the next unit
@@ -11,10 +11,7 @@
    (it runs behind the next block's backward); and (b) the bytes in flight, ``prefetch + 1`` buckets of the merged
    size, stay within ``memory_budget`` (default: what per-block bucketing holds, the most bytes of any
    ``prefetch + 1`` blocks in a row; for all-reduces at least ``prefetch + 1`` of DDP's 25 MiB buckets, as their
-   gradients stay allocated until the optimizer step anyway); and (c) copying what the merge puts through a bucket's
-   buffer costs less than the collective latency it saves: a unit of one collective runs in place, on the tensor
-   itself, until merged (an output layer stays out of the final norm's bucket). Each merge saves one collective's
-   latency. Small
+   gradients stay allocated until the optimizer step anyway). Each merge saves one collective's latency. Small
    all-gather units let a bucket end where the compute that can hide the next one ends: the first block's attention
    is gathered behind the embedding lookup, its feed-forward behind that attention, so only the embedding's own
    all-gather is exposed at the start of the step.
@@ -30,7 +27,7 @@ import torch
 from simplefsdp.ir.cost_model import collective_seconds, node_time
 from simplefsdp.ir.hardware import HardwareProfile
 from simplefsdp.ir.schedule import COMPUTE, Schedule, ScheduleNode
-from simplefsdp.passes.bucket_plan import (ALL_REDUCE_BUCKET_BYTES, BUCKETED_KINDS, Bucket, BucketPlan,
+from simplefsdp.passes.bucket_plan import (ALL_REDUCE_BUCKET_BYTES, BUCKETED_KINDS, Bucket, BucketPlan, block_names,
                                            block_of, bucketable, group_collectives, planned_bytes, rank_local_nodes)
 
 
@@ -50,8 +47,8 @@ def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budg
     compute_dtype = compute_dtype or (gathered[0] if gathered else None)
     local = rank_local_nodes(schedule)
     computes = [node for node in schedule.nodes if node.kind == COMPUTE and node.name not in local]
-    by_block = group_collectives(schedule, block_unit_names(bucketable(schedule, BUCKETED_KINDS), blocks))
-    streams = _streams(schedule, by_block, block_unit_names(computes, blocks), hardware, compute_dtype)
+    by_block = group_collectives(schedule, block_names(schedule, bucketable(schedule, BUCKETED_KINDS), blocks))
+    streams = _streams(schedule, by_block, block_names(schedule, computes, blocks), hardware, compute_dtype)
     modules = _streams(schedule, group_collectives(schedule, module_names(bucketable(schedule), blocks)),
                        module_names(computes, blocks), hardware, compute_dtype)
     merged = []
@@ -70,22 +67,13 @@ def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budg
 
 
 def module_names(nodes: list[ScheduleNode], blocks: Sequence[str]) -> dict[str, str]:
-    """Node name → its all-gather unit: the child of its block (``layers.3.attention``), else the child of the module
-    holding the blocks' list (``model.embed_tokens`` beside ``model.layers.N``), else its top-level module."""
-    holders = {block.rsplit(".", 2)[0] + "." for block in blocks if block.count(".") >= 2}
+    """Node name → its all-gather unit: the child of its block (``layers.3.attention``), or its top-level module."""
     names = {}
     for node in nodes:
         block = block_of(node.fqn, blocks)
-        holder = "" if block else next((prefix for prefix in holders if node.fqn.startswith(prefix)), "")
-        child = (node.fqn[len(block) + 1:] if block else node.fqn[len(holder):]).split(".")[0]
-        names[node.name] = f"{block}.{child}" if block and child else (block or holder + child)
+        child = (node.fqn[len(block) + 1:] if block else node.fqn).split(".")[0]
+        names[node.name] = f"{block}.{child}" if block and child else (block or child)
     return names
-
-
-def block_unit_names(nodes: list[ScheduleNode], blocks: Sequence[str]) -> dict[str, str]:
-    """Node name → its unit for the kinds other than all-gathers: its block, else its ``module_names`` unit."""
-    modules = module_names(nodes, blocks)
-    return {node.name: block_of(node.fqn, blocks) or modules[node.name] for node in nodes}
 
 
 def _streams(schedule: Schedule, plan: BucketPlan, compute_names: dict[str, str], hardware: HardwareProfile,
@@ -113,10 +101,7 @@ def _merge(units: list[_Unit], kind: str, ranks: tuple[int, ...], hardware: Hard
             hiding = sum(u.compute for u in groups[-2]) if len(groups) > 1 else 0.0
         else:
             hiding = units[index + 1].compute if index + 1 < len(units) else 0.0
-        in_place = [u for u in (groups[-1], [unit]) if sum(len(v.bucket.collectives) for v in u) == 1]
-        copying = 2 * sum(u[0].bytes for u in in_place) / hardware.memory_bandwidth  # into the buffer and out
-        if (collective_seconds(kind, size, ranks, hardware) <= hiding and size * (prefetch + 1) <= budget
-                and copying <= collective_seconds(kind, 0, ranks, hardware)):
+        if collective_seconds(kind, size, ranks, hardware) <= hiding and size * (prefetch + 1) <= budget:
             groups[-1] = candidate
         else:
             groups.append([unit])
