@@ -239,24 +239,28 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         workload = load_workload(args.model, args.layers)
     except ValueError as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None
-    longest = workload.max_seq_len
-    seq_len = args.seq_len or longest
-    if seq_len is None:
-        raise SystemExit(f"simplefsdp inspect: --model {args.model} names no longest sequence; pass --seq-len N")
-    if args.batch_size < 1 or seq_len < 1 or longest and seq_len > longest:
-        raise SystemExit(f"simplefsdp inspect: --batch-size must be at least 1 and --seq-len between 1 and "
-                         f"{longest} (the maximum of {args.model})")
     with torch.device("meta"):
         model = workload.build(seed=0)
-    tokens = torch.zeros(args.batch_size, seq_len, dtype=torch.long, device="meta")
-    inputs, target = workload.user_batch(0, args.rank, args.batch_size) if workload.user_batch else ((tokens,), tokens)
+    longest = workload.max_seq_len
+    seq_len = args.seq_len or longest
+    if workload.user_batch:  # the user's batch decides its own shapes
+        inputs, target = workload.user_batch(0, args.rank, args.batch_size)
+        shape = f"a batch of {args.batch_size}"
+    elif seq_len is None:
+        raise SystemExit(f"simplefsdp inspect: --model {args.model} names no longest sequence; pass --seq-len N")
+    elif args.batch_size < 1 or seq_len < 1 or longest and seq_len > longest:
+        raise SystemExit(f"simplefsdp inspect: --batch-size must be at least 1 and --seq-len between 1 and "
+                         f"{longest} (the maximum of {args.model})")
+    else:
+        inputs = (torch.zeros(args.batch_size, seq_len, dtype=torch.long, device="meta"),)
+        target, shape = inputs[0], f"{args.batch_size}x{seq_len} tokens"
     try:
         device = check_device(get_profile(args.hardware), args.device)
         name = f"{args.model} (layers={args.layers})" if args.layers else args.model
         layout, per = (f"tp {args.tp}, ", "tp group") if args.tp > 1 else ("", "rank")
         title = (f"{name}, {args.mode}, world {args.world_size}{f' (rank {args.rank})' if args.rank else ''}, "
                  f"{layout}hardware {args.hardware}, "
-                 f"{args.batch_size}x{seq_len} tokens per {per}, params {args.param_dtype},"
+                 f"{shape} per {per}, params {args.param_dtype},"
                  f" activation checkpointing {args.activation_checkpointing}, traced on {device}")
         report = inspect(
             model, inputs, world_size=args.world_size, rank=args.rank, mode=args.mode, hardware=args.hardware,
