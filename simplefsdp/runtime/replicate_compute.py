@@ -1,14 +1,5 @@
-"""The replicate-for-compute getter: how the forward reads a sharded parameter.
-
-In the forward, reading ``module.weight`` gathers the DTensor shard into a full local tensor (all-gather for
-``Shard``, nothing for ``Replicate``), cast to the compute dtype; outside any module's call it is the sharded DTensor
-parameter itself, as with FSDP2, so that a read on one rank issues no collective and an in-place write reaches the
-parameter; a tensor-parallel parameter is gathered over dp only, into TP's own
-DTensor. Its backward turns the local gradient into a ``Partial("avg")`` DTensor and reduces it back to the
-parameter's placement: reduce-scatter, all-reduce, or both. With gradient sync off (``grad_sync.py``) the gradient
-goes to an accumulator instead. Within one compiled call of the root module a tied parameter is gathered once, however
-many modules read it: one gather and one reduction.
-"""
+"""The replicate-for-compute getter: how the forward reads a sharded parameter (ARCHITECTURE.md, steps 4 and 6:
+gather, cast and reduce back; tied parameters gathered once per compiled call)."""
 
 from __future__ import annotations
 
@@ -64,11 +55,8 @@ class ReplicateComputation:
 
     def gather(self, param: DTensor, error: torch.Tensor | None) -> torch.Tensor:
         """All-gather ``param`` in ``param_dtype``; its gradient is averaged over ranks in ``reduce_dtype``, or both
-        in ``quantize``'s formats (``error``: this parameter's error feedback buffer, or None).
-
-        On a (replicas, shards) mesh the gradient is reduce-scattered over the shards first and its
-        shard then all-reduced over the replicas, so the replicas exchange shards, not whole gradients.
-        """
+        in ``quantize``'s formats (``error``: this parameter's error feedback buffer, or None); on a hybrid mesh,
+        reduce-scattered over the shards, then the shard all-reduced over the replicas."""
         ndim = param.device_mesh.ndim
         if self.quantize is not None and param.is_floating_point() and param.dim():  # a 0-dim one: plain
             return quantized_replicate(param, error, self.quantize, self.param_dtype, self.reduce_dtype)
