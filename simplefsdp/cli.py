@@ -1,8 +1,5 @@
-"""The ``simplefsdp`` command line: ``train``, ``inspect`` and ``bench``, each option shared by several defined once.
-
-The parser is built from plain names (``simplefsdp.names``), so ``--help`` imports no torch; each command runs a
-library module's ``run`` on the parsed options, importing that module only then. Those modules never import this one.
-"""
+"""The ``simplefsdp`` command line: ``train``, ``inspect`` and ``bench``, each option shared by several defined once;
+built from ``simplefsdp.names`` so that ``--help`` imports no torch (ARCHITECTURE.md)."""
 
 from __future__ import annotations
 

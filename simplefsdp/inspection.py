@@ -1,9 +1,5 @@
-"""``simplefsdp.inspect`` and ``simplefsdp inspect``: trace a sharded model in one process and predict its step.
-
-A copy with no data (nothing allocated: Llama 3 8B on 512 ranks fits on a laptop), on the meta device or of fake
-CUDA tensors, is sharded by ``compile_sharded`` over a fake process group, traced, and run through
-``OverlapPasses.stages``, the passes' one code path; the report keeps the graphs, plans and prediction of every stage.
-"""
+"""``simplefsdp.inspect`` and ``simplefsdp inspect``: trace a sharded model in one process, with no data, on a fake
+process group, and predict its step at each stage of ``OverlapPasses.stages``."""
 
 from __future__ import annotations
 

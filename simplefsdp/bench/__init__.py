@@ -1,9 +1,5 @@
-"""``simplefsdp bench``: simplefsdp side by side with eager FSDP2, FSDP2 + compile, DDP and a local floor.
-
-One launch of ``--nproc`` ranks runs every contender (``contenders``) on the same processes, seed, batches and load
-(``measure``: warm-up, interleaved timed steps, then a profiled step read by ``profiling``). The launching process
-prints the table, writes JSON and a chart, and fails when simplefsdp's loss differs from FSDP2 eager's (``report``).
-"""
+"""``simplefsdp bench``: simplefsdp side by side with eager FSDP2, FSDP2 + compile, DDP and a local floor, every
+contender on the same ranks (``measure``); the launching process reports and checks loss parity (``report``)."""
 
 from __future__ import annotations
 

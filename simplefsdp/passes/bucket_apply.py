@@ -1,11 +1,5 @@
-"""Bucket apply: rewrite an FX graph so each planned bucket becomes one collective on a flat buffer.
-
-An all-gather bucket gathers where its first all-gather was (what the later ones read, the casts and pads of their
-shards, moves before it: a rank with an uneven shard has its pad where the graph first needs it, so without the move
-the ranks would issue the merged all-gather at different points), a reduce-scatter, all-reduce or all-to-all bucket
-reduces after its last one (when all its gradients exist). Every element is reduced with the same peers in the same
-order: numerics are bitwise unchanged.
-"""
+"""Bucket apply: rewrite an FX graph so each planned bucket becomes one collective on a flat buffer, an all-gather
+where its first member was (ARCHITECTURE.md, "Every rank plans the same"), a reduction after its last."""
 
 from __future__ import annotations
 
