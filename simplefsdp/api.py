@@ -222,9 +222,8 @@ def compile_sharded(
 
 
 def plan_per_block_where_first_inputs_differ(model: nn.Module, overlap: OverlapPasses) -> None:
-    """At ``model``'s first call, before anything compiles: where the ranks' inputs differ in shape (a sequence length
-    of each rank's own), ``overlap``'s "auto" buckets, priced on each rank's shapes, could differ between ranks, so
-    it plans one bucket per block instead (``"block"``: from the model alone)."""
+    """At ``model``'s first call, before anything compiles, plan ``"block"`` buckets where the ranks' input shapes
+    differ: "auto" buckets, priced on each rank's shapes, could differ between ranks."""
     from simplefsdp.runtime.compile import set_compiled_call
     compiled = model._compiled_call_impl
 

@@ -142,10 +142,7 @@ class ReplicateComputation:
 def install_getters(module: nn.Module, keys: dict[str, int], accumulators: dict[str, torch.Tensor],
                     errors: dict[str, torch.Tensor | None], replicate: ReplicateComputation) -> None:
     """Make ``module.<name>`` return ``replicate(module._parameters[name], accumulators[name], errors[name])`` in the
-    forward, once per root call for each parameter key (``keys[name]``, shared by a tied parameter's modules), and
-    the sharded parameter outside it (``_gathers_on_read``).
-
-    By a subclass with one property per name, so ``state_dict`` and ``named_parameters`` still see the shards."""
+    forward (``_read_parameter``), by a subclass with one property per name: ``state_dict`` still sees the shards."""
     module._gather_keys, module._grad_accumulators, module._error_feedback = keys, accumulators, errors
     cls = module._class_without_getters = module.__class__
     getters = {name: property(functools.partial(_read_parameter, name=name, replicate=replicate))
@@ -178,11 +175,9 @@ def _read_parameter(module: nn.Module, name: str, replicate: ReplicateComputatio
 
 def gather_tied_once_per_call(model: nn.Module, replicate: ReplicateComputation) -> None:
     """Each compiled call of ``model`` gathers every tied parameter (one read by several modules) once, before the
-    forward, and each read returns that tensor: one gather and one reduction for all its modules.
-
-    Before the forward, so that a read inside a checkpointed block only reads it (a tensor gathered in one block could
-    not be handed to another). Eager calls (``compile=False``) gather at every read: eager activation checkpointing
-    re-runs a block's reads in backward and must see the ops its forward ran. The sum of the gradients is the same."""
+    forward, so that a read inside a checkpointed block only reads it (a tensor gathered in one block could not be
+    handed to another). Eager calls gather at every read: eager activation checkpointing re-runs a block's reads in
+    backward and must see the ops its forward ran. The sum of the gradients is the same."""
     readers: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, key in vars(module).get("_gather_keys", {}).items():
