@@ -33,13 +33,6 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 COMPILE_OPTIONS = ("fullgraph", "dynamic", "mode", "options", "disable")
 
 
-def check_compile_options(options: dict[str, Any]) -> None:
-    """Raise ``TypeError`` for a keyword that ``torch.compile`` does not take."""
-    if unknown := sorted(set(options) - set(COMPILE_OPTIONS)):
-        raise TypeError(f"unknown option(s) {', '.join(unknown)}; compile_sharded passes only these on to "
-                        f"torch.compile: {', '.join(COMPILE_OPTIONS)}")
-
-
 def agreed_arguments(arguments: dict[str, Any], backend: str | Callable) -> dict[str, Any]:
     """The arguments of ``compile_sharded`` that every rank must pass alike, comparable across processes (a backend
     function by its name; not the mesh, which is each rank's own sub-mesh under tensor parallelism)."""
@@ -128,7 +121,9 @@ def compile_sharded(
     if quantize is not None and quantize.gather and mode == "replicate":
         raise ValueError("mode='replicate' gathers no weights: pass Quantize(gather=None, reduce=...) to quantize its "
                          "gradient exchange, or mode='fully_shard' to gather weights in int8")
-    check_compile_options(compile_options)
+    if unknown := sorted(set(compile_options) - set(COMPILE_OPTIONS)):
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; compile_sharded passes only these on to "
+                        f"torch.compile: {', '.join(COMPILE_OPTIONS)}")
     check_precompile(precompile, compile, backend, compile_options)
     # what a precompiled graph depends on, before the passes join the options
     requested = repr((agreed_arguments(arguments, backend), compile_options)) if precompile else ""
