@@ -90,8 +90,12 @@ def inspect(
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size
     mesh_shape = _mesh_shape(mode, world_size, profile.devices_per_node, tp)
-    if tp > 1:
-        tp_plan = tp_plan or _llama_plan(model, tp)
+    if tp > 1 and not tp_plan:  # the reference Llama's plan, checked for tp ranks
+        if not isinstance(model, Llama):
+            raise ValueError(f"tp={tp} needs a tp_plan for {type(model).__name__} (module FQN -> ParallelStyle, as "
+                             "parallelize_module takes); only the reference Llama has a default")
+        check_tensor_parallel(model.config, tp)
+        tp_plan = tensor_parallel_plan(model.config)
     check_pass_options(model, buckets, reorder, prefetch, memory_budget)
     check_not_sharded(model)
     if compile_blocks_once and dynamic:
@@ -190,15 +194,6 @@ def check_device(profile: HardwareProfile, device: str | None = None) -> str:
                          "PyTorch's autograd engine reads the CUDA context even for fake tensors, and this machine "
                          "has none; run where a GPU is visible or pass device='meta'")
     return device
-
-
-def _llama_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
-    """The reference Llama's TP plan for ``model``, checked for ``tp`` ranks; ``ValueError`` for another model."""
-    if not isinstance(model, Llama):
-        raise ValueError(f"tp={tp} needs a tp_plan for {type(model).__name__} (module FQN -> ParallelStyle, as "
-                         "parallelize_module takes); only the reference Llama has a default")
-    check_tensor_parallel(model.config, tp)
-    return tensor_parallel_plan(model.config)
 
 
 def _empty(tensor: torch.Tensor, device: str) -> torch.Tensor:
