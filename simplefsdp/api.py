@@ -101,9 +101,7 @@ def compile_sharded(
     ``compile_blocks_once`` compiles the compute of each distinct block once and reuses it for its repeats
     (``runtime/block_regions.py``): cold compile grows less with depth. ``None`` (default): on where
     ``blocks_once_by_default`` says, and a call a region cannot run runs the block's own forward; ``True``: on, and
-    anything it cannot run is an error; ``False``: the whole graph traced block by block. Layers that Hugging Face's
-    ``gradient_checkpointing_enable()`` checkpoints keep what random ops drew (``apply_activation_checkpointing``'s
-    ``full`` policy): recomputing attention fails compiled.
+    anything it cannot run is an error; ``False``: the whole graph traced block by block.
 
     FSDP x TP: apply ``parallelize_module(model, mesh_2d["tp"], plan)`` first, then pass ``mesh=mesh_2d["dp"]``;
     TP's DTensor parameters are sharded over dp as well, and the passes touch only the data-parallel collectives.
