@@ -172,9 +172,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             return launch_replica_groups(args.replica_groups, args.nproc, argv, args.lighthouse)
         return launch_local_ranks(args.nproc, argv, args.max_restarts if args.fault_tolerant else 0)
     train(args)
-    # A finished rank leaves without running C++ static destructors: with PyTorch 2.13 and
-    # gloo these can abort at exit ("terminate called without an active exception"),
-    # which would turn a completed run into a failed job.
+    # A finished rank leaves without running C++ static destructors: with PyTorch 2.13 and gloo these can abort at
+    # exit ("terminate called without an active exception"), which would turn a completed run into a failed job.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
