@@ -1,7 +1,5 @@
-"""PNG charts with matplotlib (the optional ``plot`` extra): bench bars, training loss, predicted timeline.
-
-No pyplot: each chart is its own ``Figure`` on the Agg canvas, so nothing global changes in the caller's session.
-"""
+"""PNG charts with matplotlib (the optional ``plot`` extra): bench bars, training loss, predicted timeline. No
+pyplot: each chart is its own ``Figure`` on the Agg canvas, so nothing global changes in the caller's session."""
 
 from __future__ import annotations
 

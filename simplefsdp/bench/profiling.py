@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 WINDOW = "simplefsdp.bench.profiled_step"
-# Bytes a rank sends per byte of its input to a backend collective on n ranks, as ring algorithms send them (a
-# broadcast: its root sends n - 1 copies, averaged over the ranks). gloo runs a reduce-scatter as an all-reduce.
+# Bytes a rank sends per byte of its input to a backend collective on n ranks (measure.METHODS["wire"] says how).
 SEND_FACTORS = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: (n - 1) / n,
                 "all_to_all": lambda n: (n - 1) / n, "all_reduce": lambda n: 2 * (n - 1) / n,
                 "broadcast": lambda n: (n - 1) / n}
