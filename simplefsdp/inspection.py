@@ -70,13 +70,10 @@ def inspect(
     """Trace ``model`` as ``compile_sharded`` shards it on ``world_size`` ranks (default 1), run our passes, predict.
     ``rank``: the rank whose graphs are traced (its shards and coordinate; the plans must not depend on it).
 
-    Copies with no data on a fake process group; ``model`` is not changed. ``device``: ``"meta"`` (any torch;
-    attention traced as the flash kernel a GPU runs) or ``"cuda"`` (fake CUDA tensors: the ops, casts and attention
-    kernel that dispatch picks on this machine's GPU; needs a CUDA build of torch and a CUDA device, no GPU memory);
-    default ``"cuda"`` for a GPU ``hardware`` profile where a CUDA device is present, else ``"meta"``. ``hardware``:
-    a profile name (``h100``, ``a100``, ``cpu``), a JSON path or a ``HardwareProfile``; it also prices
-    ``buckets="auto"``. The pass options and ``quantize`` are ``compile_sharded``'s. ``dynamic`` traces sizes as
-    symbols, priced at ``example_inputs``' sizes.
+    Copies with no data on a fake process group; ``model`` is not changed. ``device``: ``"meta"`` or ``"cuda"`` (fake
+    CUDA tensors; docs/inspect-and-cost-model.md), default as ``check_device``. ``hardware``: a profile name (``h100``,
+    ``a100``, ``cpu``), a JSON path or a ``HardwareProfile``; it also prices ``buckets="auto"``. The pass options and
+    ``quantize`` are ``compile_sharded``'s. ``dynamic`` traces sizes as symbols, priced at ``example_inputs``' sizes.
     ``activation_checkpointing`` (``none``, ``selective``, ``full``) checkpoints each of ``model.layers`` as ``train``.
     ``loss_fn(output, *example_inputs)`` (``loss_fn(output, target)`` with a ``target``), when given, is traced after
     the model, so the step includes its loss. A Hugging Face model is traced with ``use_cache=False`` (a note says so).
