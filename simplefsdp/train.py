@@ -98,9 +98,8 @@ def precompile_problem(args: argparse.Namespace) -> str | None:
 
 
 def checkpoint_root(args: argparse.Namespace) -> str | None:
-    """Where this rank's checkpoints go: ``--checkpoint-dir``, written by replica group 0 alone; or, where every
-    group keeps state of its own (``--replica-sync`` demo: its momentum, diloco: its inner AdamW's), each group's
-    ``group-G`` folder in it, written by that group."""
+    """Where this rank's checkpoints go: ``--checkpoint-dir``, written by replica group 0 alone; or each group's
+    ``group-G`` folder in it where every group keeps state of its own (``--replica-sync`` demo or diloco)."""
     if args.checkpoint_dir and args.fault_tolerant and args.replica_sync != "step":
         return os.path.join(args.checkpoint_dir, f"group-{args.replica_group or 0}")
     return args.checkpoint_dir

@@ -22,9 +22,8 @@ PASSES_OFF = {"buckets": None, "reorder": False}
 
 @dataclass(frozen=True)
 class Contender:
-    """A way to train the model: ``wrap`` turns the freshly built model into the module to train.
-
-    ``compiled``: it must compile graphs of its own; ``distributed``: it trains the global batch across ranks."""
+    """A way to train the model: ``wrap`` turns the freshly built model into the module to train. ``compiled``: it
+    must compile graphs of its own; ``distributed``: it trains the global batch across ranks."""
 
     name: str
     summary: str

@@ -79,9 +79,8 @@ def format_table(results: dict) -> str:
     rows = {row["name"]: row for row in results["rows"]}
     ok = {name: row for name, row in rows.items() if row["status"] == "ok"}
     ref, compiled, local = ok.get(REFERENCE), ok.get("fsdp2-compile"), ok.get("local")
-    header = ["contender", "step s (median)", "step s (q1–q3)", "step × FSDP2", "step × FSDP2+compile",
-              "step × local", "tok/s/rank",
-              "peak MiB/rank", "mem × FSDP2", "collectives/step", "wire MiB/step (× FSDP2)",
+    header = ["contender", "step s (median)", "step s (q1–q3)", "step × FSDP2", "step × FSDP2+compile", "step × local",
+              "tok/s/rank", "peak MiB/rank", "mem × FSDP2", "collectives/step", "wire MiB/step (× FSDP2)",
               "comm ms/step", "wait ms/step", "warm-up s", "last loss", "Δ loss vs FSDP2"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, row in rows.items():
