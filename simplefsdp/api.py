@@ -170,8 +170,7 @@ def compile_sharded(
         broadcast_buffers(model, mesh)
     if passes:  # "auto" buckets are priced on the hardware rank 0 computes on, the same numbers on every rank
         overlap = OverlapPasses(buckets, reorder, prefetch, memory_budget, agreed_profile(mesh.device_type),
-                                block_fqns, data_parallel_groups(mesh),
-                                agreement_groups(mesh, tp_mesh))
+                                block_fqns, data_parallel_groups(mesh), agreement_groups(mesh, tp_mesh))
         compile_options = inductor_options(overlap, compile_options)
         if precompile:  # a precompiled graph holds the plan, which follows rank 0's hardware profile of this run
             requested += overlap.uuid().hex()

@@ -247,20 +247,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         name = f"{args.model} (layers={args.layers})" if args.layers else args.model
         layout, per = (f"tp {args.tp}, ", "tp group") if args.tp > 1 else ("", "rank")
         title = (f"{name}, {args.mode}, world {args.world_size}{f' (rank {args.rank})' if args.rank else ''}, "
-                 f"{layout}hardware {args.hardware}, "
-                 f"{shape} per {per}, params {args.param_dtype},"
+                 f"{layout}hardware {args.hardware}, {shape} per {per}, params {args.param_dtype},"
                  f" activation checkpointing {args.activation_checkpointing}, traced on {device}")
         report = inspect(
             model, inputs, world_size=args.world_size, rank=args.rank, mode=args.mode, hardware=args.hardware,
-            mp_policy=mixed_precision_option(args),
-            reshard_after_forward=args.reshard_after_forward, buckets=args.buckets, reorder=args.reorder,
-            prefetch=args.prefetch, memory_budget=args.memory_budget, title=title, dynamic=args.dynamic,
-            activation_checkpointing=args.activation_checkpointing, loss_fn=workload.loss, target=target,
-            quantize=quantize_option(args),
-            replica_groups=args.replica_groups, device=device, tp=args.tp, compile_blocks_once=args.compile_blocks_once,
-            replica_sync=dict(
-                sync=args.replica_sync, sync_every=args.sync_every, chunk=args.demo_chunk, top_k=args.demo_top_k,
-                outer_quantize=args.outer_quantize))
+            mp_policy=mixed_precision_option(args), reshard_after_forward=args.reshard_after_forward,
+            buckets=args.buckets, reorder=args.reorder, prefetch=args.prefetch, memory_budget=args.memory_budget,
+            title=title, dynamic=args.dynamic, activation_checkpointing=args.activation_checkpointing,
+            loss_fn=workload.loss, target=target, quantize=quantize_option(args), replica_groups=args.replica_groups,
+            device=device, tp=args.tp, compile_blocks_once=args.compile_blocks_once,
+            replica_sync=dict(sync=args.replica_sync, sync_every=args.sync_every, chunk=args.demo_chunk,
+                              top_k=args.demo_top_k, outer_quantize=args.outer_quantize))
     except (ValueError, TypeError, TraceError) as error:
         raise SystemExit(f"simplefsdp inspect: {error}") from None
     print(report.summary(), end="")
