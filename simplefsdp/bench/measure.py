@@ -165,11 +165,9 @@ def _failed(row: dict, error: Exception) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict | None:
-    """Run every selected contender on this rank; rank 0 returns the results, the others None.
-
-    Warm-ups run in turn; the measured steps interleave (in an order rotated each step) so that drift in the machine's
-    load falls on all contenders alike; the profile passes come last. A contender that raises becomes a failed row.
-    """
+    """Run every selected contender on this rank; rank 0 returns the results, the others None. Warm-ups run in turn;
+    the measured steps interleave (in an order rotated each step) so that drift in the machine's load falls on all
+    contenders alike; the profile passes come last. A contender that raises becomes a failed row."""
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *_, **__: None)

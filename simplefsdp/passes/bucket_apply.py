@@ -31,9 +31,8 @@ def apply_buckets(graph: fx.Graph, plan: BucketPlan) -> None:
 
 
 def _one_wait(graph: fx.Graph, collective: fx.Node) -> None:
-    """Make the first wait of ``collective`` its one user, as merging expects: that wait serves the users of its other
-    waits (a parameter read twice in one module can leave two) and every node after it that reads the collective's
-    result itself (torch 2.14's partitioner saves a gathered weight for the backward unwaited: a graph output)."""
+    """Make the first wait of ``collective`` its one user, as merging expects: it serves the other waits' users (a
+    parameter read twice leaves two) and every later node reading the result itself (ARCHITECTURE.md says why)."""
     if len(collective.users) < 2:
         return
     order = {node: index for index, node in enumerate(graph.nodes)}
