@@ -34,9 +34,6 @@ class InspectStage:
         return [self.forward, self.backward]
 
 
-_PLAN_HEADINGS = {"bucketed": "bucket plan", "reordered": "reorder plan"}
-
-
 @dataclass
 class InspectReport:
     """The step at each stage of the passes, ``traced`` first; ``forward``, ``backward`` and ``prediction`` are the
@@ -81,7 +78,8 @@ class InspectReport:
 
     def plans(self) -> str:
         """The bucket plan and the reorder plan of both graphs, as text (what ``plan.txt`` holds)."""
-        sections = [f"{_PLAN_HEADINGS[stage.name]}\n{stage.forward_plan}\n{stage.backward_plan}\n"
+        headings = {"bucketed": "bucket plan", "reordered": "reorder plan"}
+        sections = [f"{headings[stage.name]}\n{stage.forward_plan}\n{stage.backward_plan}\n"
                     for stage in self.stages[1:]]
         return "\n".join(sections) or "no passes applied (buckets=None, reorder=False): the graphs run as traced\n"
 
