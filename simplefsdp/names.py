@@ -1,6 +1,5 @@
-"""The names the command line offers, importable without torch: ``cli`` builds its parser from them, so ``--help``
-answers at once, and the modules that act on a name take it from here (tests/test_cli.py pins the tables keyed
-elsewhere)."""
+"""The names the command line offers, importable without torch so that ``--help`` answers at once (ARCHITECTURE.md);
+the modules that act on a name take it from here (tests/test_cli.py pins the tables keyed elsewhere)."""
 
 from __future__ import annotations
 
