@@ -49,8 +49,7 @@ def contenders_arg(text: str) -> list[str]:
     unknown = [name for name in names if name not in CONTENDER_NAMES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown contender(s) {', '.join(unknown) or '(none given)'}; choose from: {', '.join(CONTENDER_NAMES)}"
-        )
+            f"unknown contender(s) {', '.join(unknown) or '(none given)'}; choose from: {', '.join(CONTENDER_NAMES)}")
     return names
 
 
@@ -143,9 +142,8 @@ def _replica_sync(groups: dict) -> None:
                             "momentum components every step with sign-SGD (demo, FlexDeMo), or average "
                             "pseudo-gradients every --sync-every steps of AdamW (diloco)")
     group.add_argument("--sync-every", type=int, default=32, metavar="H", help="with diloco: inner steps per outer")
-    group.add_argument("--outer-quantize", default=None, choices=("int8", "int4"),
-                       help="with diloco: send the pseudo-gradient as int8 or int4 codes, an fp32 scale per 256 "
-                            "(default: fp32)")
+    group.add_argument("--outer-quantize", default=None, choices=("int8", "int4"), help="with diloco: send the "
+                       "pseudo-gradient as int8 or int4 codes, an fp32 scale per 256 (default: fp32)")
     group.add_argument("--demo-chunk", type=int, default=64, metavar="N",
                        help="with demo: the DCT chunk's side (DeMo's)")
     group.add_argument("--demo-top-k", type=int, default=32, metavar="K",
@@ -197,9 +195,8 @@ def _train(command: argparse.ArgumentParser) -> None:
                        help="replica groups on torchft: a failed group drops out, restarts and heals (the ft extra)")
     group.add_argument("--replica-groups", type=int, default=2, metavar="N",
                        help="with --fault-tolerant: groups of --nproc ranks")
-    group.add_argument("--replica-group", type=int, default=None, metavar="G",
-                       help="this group's index, under your own torchrun (default: each group started by "
-                            "--fault-tolerant gets its own)")
+    group.add_argument("--replica-group", type=int, default=None, metavar="G", help="this group's index, under your "
+                       "own torchrun (default: each group started by --fault-tolerant gets its own)")
     group.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"), metavar="URL",
                        help="a running torchft lighthouse, http://HOST:PORT (default: $TORCHFT_LIGHTHOUSE, else one "
                             "started locally)")
@@ -259,9 +256,8 @@ def _bench(command: argparse.ArgumentParser) -> None:
     group.add_argument("--json", default="runs/bench.json", metavar="PATH", help="where to write the results as JSON")
     group.add_argument("--plot", default=None, metavar="PATH", help="where to write the bar chart as a PNG "
                        "(default: runs/bench.png, skipped with a note when matplotlib is not installed)")
-    group.add_argument("--from-json", default=None, metavar="PATH",
-                       help="print the table, plot and check parity from a saved JSON instead of running "
-                            "(default: run)")
+    group.add_argument("--from-json", default=None, metavar="PATH", help="print the table, plot and check parity "
+                       "from a saved JSON instead of running (default: run)")
     group.add_argument("--rank-output", default=None, help=argparse.SUPPRESS)
     command.set_defaults(module="simplefsdp.bench")
 
