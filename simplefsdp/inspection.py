@@ -126,9 +126,8 @@ def inspect(
         if compile_blocks_once is None:
             compile_blocks_once = blocks_once_by_default(copy_model, find_blocks(copy_model), tp > 1, dynamic)
         # Sharded by compile_sharded itself, so the graphs traced here are those that run.
-        compile_sharded(copy_model, mesh=mesh, mode=mode, mp_policy=mp_policy,
-                        reshard_after_forward=reshard_after_forward, compile=False, quantize=quantize,
-                        compile_blocks_once=compile_blocks_once)
+        compile_sharded(copy_model, mesh=mesh, mode=mode, mp_policy=mp_policy, compile=False, quantize=quantize,
+                        reshard_after_forward=reshard_after_forward, compile_blocks_once=compile_blocks_once)
         graphs = capture_graphs(copy_model, copy_inputs, dynamic=dynamic, fused_attention=device == "meta",
                                 joint_pass=recompute_region_inputs if compile_blocks_once else None)
         # The captured graphs are ours: the passes rewrite them in place, and each stage keeps its schedule.
@@ -136,11 +135,9 @@ def inspect(
         backward_stages = list(passes.stages(graphs.backward, "backward", graphs.param_fqns))
         shards = [p.to_local() for p in copy_model.parameters() if p.requires_grad]
     compute_dtype = mp_policy.param_dtype or next(model.parameters(), torch.empty(0)).dtype
-    stages = [
-        InspectStage(forward.name, forward.schedule, backward.schedule, forward.plan, backward.plan,
-                     simulate(forward.schedule, backward.schedule, profile, compute_dtype))
-        for forward, backward in zip(forward_stages, backward_stages)
-    ]
+    stages = [InspectStage(forward.name, forward.schedule, backward.schedule, forward.plan, backward.plan,
+                           simulate(forward.schedule, backward.schedule, profile, compute_dtype))
+              for forward, backward in zip(forward_stages, backward_stages)]
     title = title or (f"{type(model).__name__}, {mode}, world {world_size} (mesh {mesh_shape}"
                       f"{f', rank {rank}' if rank else ''}), hardware {profile.name}")
     fault_tolerant = None
