@@ -15,11 +15,11 @@ import pytest
 from charts import png_size
 from transformers import LlamaConfig
 
-from simplefsdp.bench.contenders import CONTENDER_NAMES
 from simplefsdp.bench.profiling import allocation_delta
 from simplefsdp.bench.report import format_table
 from simplefsdp.bench.report import check_parity
 from simplefsdp.cli import main
+from simplefsdp.names import CONTENDER_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def test_bench_writes_json_table_and_chart(bench_run):
     results = json.loads((out / "bench.json").read_text())
     assert results["world_size"] == 2 and results["model"] == f"hf:{out / 'llama'}" and results["steps"] == 3
     assert set(results["methods"]) == {"step_time", "peak_memory", "collectives", "comm", "wire", "wait"}
-    assert [row["name"] for row in results["rows"]] == CONTENDER_NAMES
+    assert tuple(row["name"] for row in results["rows"]) == CONTENDER_NAMES
     for row in results["rows"]:
         assert row["status"] == "ok", row
         assert len(row["step_times_s"]) == 3 and len(row["losses"]) == 4 and len(row["last_loss_per_rank"]) == 2
