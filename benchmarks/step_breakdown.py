@@ -173,8 +173,12 @@ def main() -> None:
     if is_launched_rank():
         rank_main(args)
         return
+    # torchrun would read the script's --nproc as an abbreviation of its own --nproc-per-node: the ranks get the rest
+    forwarded = [f"--{name.replace('_', '-')}={value}" for name, value in (
+        ("model", args.model), ("batch_size", args.batch_size), ("seq_len", args.seq_len), ("steps", args.steps),
+        ("warmup", args.warmup), ("layers", args.layers), ("out", args.out)) if value is not None]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               __file__, *sys.argv[1:]]
+               __file__, *forwarded, *(["--foreach"] if args.foreach else [])]
     sys.exit(subprocess.run(command).returncode)
 
 

@@ -82,6 +82,7 @@ def compile_sharded(
     quantize: Quantize | None = None,
     compile_blocks_once: bool | None = None,
     precompile: bool = False,
+    sharded_lookup: bool = True,
     **compile_options: Any,
 ) -> ModuleT | Callable[[ModuleT], ModuleT]:
     """Shard ``model``'s parameters over the data-parallel mesh and compile its forward, in place.
@@ -105,6 +106,10 @@ def compile_sharded(
 
     FSDP x TP: apply ``parallelize_module(model, mesh_2d["tp"], plan)`` first, then pass ``mesh=mesh_2d["dp"]``;
     TP's DTensor parameters are sharded over dp as well, and the passes touch only the data-parallel collectives.
+
+    ``sharded_lookup``: an ``nn.Embedding`` outside the blocks (not tied) looks its ids up where its rows are sharded,
+    exchanging tokens instead of gathering the table, at calls whose ranks' inputs agree in shape
+    (``runtime/sharded_lookup.py``); ``False``: its table is gathered as every other parameter.
 
     ``precompile=True`` saves each compiled graph under ``SIMPLEFSDP_CACHE`` and loads it in later runs without
     tracing (``runtime/precompile.py``): a warm restart in seconds. One graph per input shape, no graph breaks.
@@ -186,7 +191,7 @@ def compile_sharded(
     replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,
                                      reshard_after_forward=reshard_after_forward and mode != "replicate",
                                      quantize=quantize, tensor_parallel=tp_mesh)
-    shard_parameters(model, mesh, mode, replicate, block_fqns)
+    shard_parameters(model, mesh, mode, replicate, block_fqns, sharded_lookup)
     gather_tied_once_per_call(model, replicate)
     if mp_policy.param_dtype is not None:
         cast_floating_inputs(model, mp_policy.param_dtype)

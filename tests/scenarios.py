@@ -182,6 +182,8 @@ SCENARIOS = {
     "llama": (lambda: build_model("debug"), _token_batch, _lm_loss),
     "tied_llama": (lambda: build_model("debug", tie_embeddings=True), _token_batch, _lm_loss),
     "one_layer_llama": (lambda: build_model("debug", n_layers=1), _token_batch, _lm_loss),
+    # an embedding of 1024 rows, which 2 ranks look up where it is sharded at up to 128 tokens each
+    "one_layer_llama_1k_vocab": (lambda: build_model("debug", n_layers=1, vocab_size=1024), _token_batch, _lm_loss),
     "linear_7x5": (lambda: nn.Linear(7, 5), _feature_batch(7, 5), _mse_loss),
     "tiny_first_dim": (WithTinyFirstDim, _feature_batch(8, 3), _mse_loss),
     "frozen_layer": (WithFrozenLayer, _feature_batch(8, 3), _mse_loss),
@@ -354,9 +356,10 @@ RAGGED_SEQ_LENS = [(32, 24), (24, 24), (32, 16)]
 
 def train_ragged(model: nn.Module, world: int, rank: int | None = None) -> dict:
     """SGD on ``RAGGED_SEQ_LENS``: ``rank``'s own batch, or in one process the mean of every rank's loss (what the
-    ranks' averaged gradients descend). Returns the losses and the full parameters."""
+    ranks' averaged gradients descend). Returns the losses, the full parameters and, after each step, whether the
+    ranks' shapes agreed (``None`` in one process, which has no lookup where the embedding is sharded)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=CHANGING_SHAPES_LR)
-    losses = []
+    losses, shapes_agree = [], []
     for step, lengths in enumerate(RAGGED_SEQ_LENS):
         ranks = range(world) if rank is None else [rank]
         batches = [changing_batch(10 * step + each, 3, lengths[each]) for each in ranks]
@@ -365,7 +368,8 @@ def train_ragged(model: nn.Module, world: int, rank: int | None = None) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.detach())
-    return {"losses": losses, "params": _full_parameters(model)}
+        shapes_agree.append(vars(model.tok_embeddings).get("_ranks_agree_on_shapes"))
+    return {"losses": losses, "params": _full_parameters(model), "shapes_agree": shapes_agree}
 
 
 def run_changing_shape_jobs(scenario: str, jobs: list[tuple[dict, str]]) -> list[dict]:

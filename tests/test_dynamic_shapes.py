@@ -25,7 +25,11 @@ from simplefsdp.runtime.compile import _described_inputs, _first_change
 
 MANUAL_PLAN = [["tok_embeddings"], ["layers.0", "layers.1"], ["norm", "output"]]
 WORLD = 2
-SCENARIO = "one_layer_llama"  # one block: half the compile time of the debug Llama, the same kinds of ops
+# One block: half the compile time of the debug Llama, the same kinds of ops. A vocabulary of 1024 rows: the
+# embedding is looked up where it is sharded at up to 128 tokens a rank (runtime/sharded_lookup.py), so the steps
+# below cross that bound both ways, and ranks of sequence lengths of their own gather the table at the steps where
+# their shapes differ and look it up where they agree.
+SCENARIO = "one_layer_llama_1k_vocab"
 # Every graph here compiles cold in a fresh cache (about a minute on 2 cores), so the 2-rank jobs are the defaults
 # (auto buckets, Dynamo's automatic dynamic shapes, then eval and inference), dynamic=True with block buckets, and
 # ranks with sequence lengths of their own (the defaults, which then plan block buckets); the plans of symbolic graphs
@@ -38,11 +42,11 @@ JOBS = {
 }
 
 # Bounds (fp32, unit roundoff u = 2^-24). A length-K reduction carries a relative error of at most about K*u,
-# and an error passes through at most D reductions in a row. K = 384: the most tokens of one global batch
-# (2 ranks x 3 x 64), which the weight gradients sum over; every other reduction (dim 64, FFN 192, vocabulary
-# 256, sequence <= 64) is shorter. D: the longest chain of matmuls, 6 per block (q/k/v, scores,
+# and an error passes through at most D reductions in a row. K = 1024: the vocabulary, which the loss sums over;
+# every other reduction (the most tokens of one global batch, 2 ranks x 3 x 64 = 384, which the weight gradients sum
+# over, dim 64, FFN 192, sequence <= 64) is shorter. D: the longest chain of matmuls, 6 per block (q/k/v, scores,
 # weighted values, wo, w1/w3, w2) per block + output, forward, as many again backward.
-U, K, D = 2.0**-24, 2 * 3 * 64, 2 * (6 * build(SCENARIO).config.n_layers + 1)
+U, K, D = 2.0**-24, 1024, 2 * (6 * build(SCENARIO).config.n_layers + 1)
 STEP_BOUND = D * K * U  # one step's loss and gradients
 # SGD's update after n steps sums n gradients, each within STEP_BOUND; the parameters that later gradients see
 # differ by these sums, so the bound grows at most linearly with the steps (and so for the eval outputs).
@@ -83,20 +87,25 @@ def test_changing_shapes_match_the_single_process_reference(results, reference, 
 def test_ranks_with_sequence_lengths_of_their_own_match_the_single_process_reference(results):
     """The first inputs differ in shape, so "auto" plans block buckets on both ranks; then each rank recompiles for a
     new length while the other runs the graph it has, both plan the same collectives, and the guard lets every call
-    run. The bounds are the changing shapes' (K = 384 covers the 192 tokens here)."""
+    run. The ranks' shapes agree at step 1 alone, the one step whose embedding is looked up where it is sharded. The
+    bounds are the changing shapes'."""
     reference, initial = train_ragged(build(SCENARIO), WORLD), build(SCENARIO).state_dict()
     for step, expected in enumerate(reference["losses"]):
         loss = sum(rank["losses"][step] for rank in results["ragged"]).item() / WORLD
         assert abs(loss - expected.item()) <= (step + 1) * STEP_BOUND * expected.item(), f"step {step}"
     for rank in results["ragged"]:
+        assert rank["shapes_agree"] == [False, True, False]
         for name, expected in reference["params"].items():
             update, expected_update = rank["params"][name] - initial[name], expected - initial[name]
             assert relative_difference(update, expected_update) <= len(RAGGED_SEQ_LENS) * STEP_BOUND, name
 
 
 def test_a_change_of_shape_recompiles_once_then_the_graph_is_dynamic(results):
+    """Steps 2-4 change the batch, the sequence length, both: one recompile, to a dynamic graph that gathers the
+    table (144 and 192 tokens a rank); at step 4's 64 tokens the lookup where the table is sharded pays again: one more
+    graph, dynamic too."""
     for rank in results["defaults"]:
-        assert rank["graphs"] == [1, 1, 2, 2, 2]  # steps 2-4 change the batch, the sequence length, both
+        assert rank["graphs"] == [1, 1, 2, 2, 3]
 
 
 def _graphs_of_blocks_compiled_once_at_new_lengths() -> tuple[list[int], list[str]]:

@@ -98,6 +98,16 @@ class Schedule:
     def collectives(self) -> list[ScheduleNode]:
         return [node for node in self.nodes if node.kind == COLLECTIVE]
 
+    def parameter_gathers(self) -> list[ScheduleNode]:
+        """The data-parallel all-gathers that depend on no wait and on no compute with FLOPs, program order: those of
+        parameters, which the passes may bucket and move; not an activation's (the sharded lookup's gradient)."""
+        computed: set[str] = set()
+        for node in self.nodes:
+            if node.kind == WAIT or node.flops or computed.intersection(node.inputs):
+                computed.add(node.name)
+        return [node for node in self.data_parallel_collectives()
+                if node.collective.kind == "all_gather" and node.name not in computed]
+
     def data_parallel_collectives(self) -> list[ScheduleNode]:
         """The collectives on ``data_parallel_groups``, program order: not tensor parallelism's."""
         groups = self.data_parallel_groups

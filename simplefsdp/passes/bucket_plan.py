@@ -82,8 +82,11 @@ def plan_buckets(schedule: Schedule, mode: BucketMode, blocks: Sequence[str] = (
 
 def bucketable(schedule: Schedule, kinds: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_to_all")
                ) -> list[ScheduleNode]:
-    """The data-parallel collectives of ``kinds`` (default: all but all-reduces), program order."""
-    return [node for node in schedule.data_parallel_collectives() if node.collective.kind in kinds]
+    """The data-parallel collectives of ``kinds`` (default: all but all-reduces), program order; of all-gathers,
+    the parameters' only."""
+    gathers = {node.name for node in schedule.parameter_gathers()}
+    return [node for node in schedule.data_parallel_collectives()
+            if node.collective.kind in kinds and (node.collective.kind != "all_gather" or node.name in gathers)]
 
 
 def all_reduce_names(schedule: Schedule, memory_budget: int | None) -> dict[str, str]:

@@ -65,7 +65,7 @@ def plan_reorder(schedule: Schedule, prefetch: int = 1) -> ReorderPlan:
     waits = {node.waits_for: node for node in schedule.nodes if node.kind == WAIT}
     collectives = [node for node in schedule.data_parallel_collectives() if node.name in waits]
     sinks = {node.name: _sink(schedule, waits[node.name], collectives, position) for node in collectives}
-    all_gathers = [node for node in collectives if node.collective.kind == "all_gather"]
+    all_gathers = [node for node in schedule.parameter_gathers() if node.name in waits]
     prefetches = []
     for first in all_gathers[:prefetch]:
         anchor = _first_compute(schedule.nodes, nx.ancestors(schedule.dag, first.name))

@@ -33,6 +33,7 @@ from simplefsdp.ir.capture import compiling_regions
 from simplefsdp.runtime.cpu_isa import check_vector_isas_once_per_machine
 from simplefsdp.runtime.hugging_face import graph_break_fix
 from simplefsdp.runtime.mesh import mesh_by_value
+from simplefsdp.runtime.sharded_lookup import agree_on_shapes_every_call
 from simplefsdp.runtime.unused_outputs import KeepGradientsOfUnusedOutputs
 
 
@@ -56,11 +57,11 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
         backend = InductorOncePerHost(options.pop("mode", None), options.pop("options", None), options.get("dynamic"))
     if precompile_run is not None:
         from simplefsdp.runtime.precompile import PrecompiledCall
-        set_compiled_call(module, PrecompiledCall(module, backend, precompile_run))
-        return
-    compiled = torch.compile(sharded_call, backend=KeepGradientsOfUnusedOutputs(backend), **options)
-    compiled = _refuse_eager_past_the_recompile_limit(compiled)
-    set_compiled_call(module, _tell_graph_breaks_and_recompiles(compiled, module))
+        call = PrecompiledCall(module, backend, precompile_run)
+    else:
+        compiled = torch.compile(sharded_call, backend=KeepGradientsOfUnusedOutputs(backend), **options)
+        call = _tell_graph_breaks_and_recompiles(_refuse_eager_past_the_recompile_limit(compiled), module)
+    set_compiled_call(module, agree_on_shapes_every_call(module, call))
 
 
 def set_compiled_call(module: nn.Module, call: Callable) -> None:

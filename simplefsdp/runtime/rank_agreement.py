@@ -86,10 +86,14 @@ def check_same_model_on_all_ranks(module: nn.Module, mesh: DeviceMesh, arguments
 def same_input_shapes(args: tuple, kwargs: dict, group_names: Sequence[str]) -> bool:
     """Whether every rank of the mesh whose dimensions' groups are ``group_names`` calls with inputs of one structure
     and one shape each: one object all-gather per mesh dimension."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    shapes = repr((spec, [tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]))
     groups = [process_group(name) for name in group_names]
-    return len(set(gather_over_mesh(shapes, groups).values())) == 1
+    return len(set(gather_over_mesh(input_shapes(args, kwargs), groups).values())) == 1
+
+
+def input_shapes(args: tuple, kwargs: dict) -> str:
+    """The structure of a call's inputs and the shape of each tensor among them, as a string."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return repr((spec, [tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]))
 
 
 def _first_disagreement(by_rank: Mapping[int, Mapping[tuple[int, ...], Hashable]]

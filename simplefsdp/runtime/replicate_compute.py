@@ -153,7 +153,7 @@ def install_getters(module: nn.Module, keys: dict[str, int], accumulators: dict[
 _MODULE_CALL = nn.Module._call_impl.__code__  # private: the frame every module call (hooks, forward) runs in
 
 
-def _gathers_on_read() -> bool:
+def gathers_on_read() -> bool:
     """Whether a parameter read now is the forward's: traced by Dynamo, inside a module's call (the root's, a block
     called alone, one a graph break runs eagerly), or in a backward (eager checkpointing runs a forward again)."""
     if torch.compiler.is_compiling() or torch._C._current_graph_task_id() != -1:  # private: -1 outside a backward
@@ -165,7 +165,7 @@ def _gathers_on_read() -> bool:
 
 
 def _read_parameter(module: nn.Module, name: str, replicate: ReplicateComputation) -> torch.Tensor:
-    if not _gathers_on_read():
+    if not gathers_on_read():
         return module._parameters[name]
     gathered = replicate.gathers.gathered
     if gathered is not None and module._gather_keys[name] in gathered:

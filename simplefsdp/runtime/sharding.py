@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 import functools
 from typing import Sequence
 
@@ -17,6 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from simplefsdp.runtime.grad_sync import new_accumulator
 from simplefsdp.runtime.quantize import new_error_buffer
+from simplefsdp.runtime.sharded_lookup import can_look_up_where_sharded, install_sharded_lookup
 from simplefsdp.runtime.replicate_compute import ReplicateComputation, install_getters
 from simplefsdp.runtime.tensor_parallel import shard_tensor_parallel
 
@@ -64,16 +66,20 @@ def broadcast_buffers(module: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: ReplicateComputation,
-                     blocks: tuple[str, ...] = ()) -> None:
+                     blocks: tuple[str, ...] = (), sharded_lookup: bool = False) -> None:
     """Replace each parameter by a DTensor parameter placed for ``mode`` (values from the mesh's first rank; a tied
     parameter stays one, a tensor-parallel one goes on the (dp, tp) mesh) and install the gathering getters. Where
     the model has ``blocks``, the modules outside them keep their gathered parameters from forward to backward, as
-    FSDP2 keeps its root's: the output layer is the first the backward needs; an embedding's backward reads no weight."""
+    FSDP2 keeps its root's: the output layer is the first the backward needs; an embedding's backward reads no weight.
+    With ``sharded_lookup``, such an embedding (not tied) looks its ids up where its rows are sharded."""
     _refuse_optimizers_outside_the_sharding()
     sharded: dict[int, tuple[int, nn.Parameter, torch.Tensor, torch.Tensor | None]] = {}
     outside_blocks = dataclasses.replace(replicate, reshard_after_forward=False) if blocks else replicate
+    uses = Counter(id(param) for submodule in module.modules() for param in submodule._parameters.values())
+    plain = sharded_lookup and replicate.quantize is None and replicate.tensor_parallel is None
     for prefix, submodule in module.named_modules():
         keys, accumulators, errors = {}, {}, {}
+        tied = uses[id(submodule._parameters.get("weight"))] > 1
         for name, param in submodule._parameters.items():
             if param is None:
                 continue
@@ -91,6 +97,8 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
         if accumulators:
             inside = any(prefix == block or prefix.startswith(f"{block}.") for block in blocks)
             install_getters(submodule, keys, accumulators, errors, replicate if inside else outside_blocks)
+            if not inside and not tied and can_look_up_where_sharded(submodule, mode, mesh, plain):
+                install_sharded_lookup(submodule, submodule._parameters["weight"], replicate.param_dtype)
             submodule.register_load_state_dict_pre_hook(_shard_plain_tensors)
 
 
