@@ -13,6 +13,8 @@ Inductor kernels made of only those), waits for collectives (``wait_tensor``), i
 the rank guard (``simplefsdp::agree_on_collectives``), FSDP2's hooks (its ``FSDP::*`` scopes' own time: Python,
 copies and waits it does not record as ops) and the rest (Python and dispatch between recorded ops). The backend's
 own collective time runs on its thread, beside: on a 2-core machine running 2 ranks it takes CPU from compute.
+A last step runs under the profiler's memory events: what is live at its peak, by the phase that allocated it
+(``memory_at_peak``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from simplefsdp.runtime.launch import is_launched_rank
 from simplefsdp.runtime.mesh import device_type, init_distributed
 
 PHASES = ("forward", "backward", "optimizer", "zero_grad")
+MEMORY_PHASES = ("before the step", "forward", "backward", "optimizer")
 PARTS = ("compute", "copies and casts", "collective waits", "issuing collectives", "rank guard", "FSDP2 hooks",
          "Python and dispatch")
 COPIES = ("copy", "cat", "split", "clone", "to_copy", "slice", "view", "permute", "expand", "constant_pad")
@@ -99,6 +102,51 @@ def profiled_parts(model, optimizer, workload, batch, device) -> dict[str, float
     return dict(parts)
 
 
+def memory_at_peak(model, optimizer, workload, batch, device) -> dict[str, float]:
+    """MiB live at the peak of one more step (CPU allocations, as ``bench``'s peak), by when they were allocated: held
+    from before the step (the parameters' shards and the optimizer's state, counted from the tensors), in the
+    forward, the backward or the optimizer step; and the phase the peak falls in (``"peak in"``)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    (inputs, target), = micro_batches(batch, 1, device)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("breakdown.forward"):
+            loss = workload.loss(model(*inputs), target)
+        with record_function("breakdown.backward"):
+            loss.backward()
+        with record_function("breakdown.optimizer"):
+            optimizer.step()
+            optimizer.zero_grad()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        events.append(stack.pop())
+        stack.extend(events[-1].children)
+    events.sort(key=lambda event: event.start_time_ns)
+    windows = [(event.start_time_ns, event.end_time_ns, event.name.removeprefix("breakdown."))
+               for event in events if event.name.startswith("breakdown.")]
+    live: dict[int, tuple[int, str]] = {}
+    by_phase, peak, at_peak = dict.fromkeys(MEMORY_PHASES[1:], 0), -1, {}
+    for event in (event for event in events if event.tag == _EventType.Allocation):
+        if not str(event.extra_fields.device).startswith("cpu"):
+            continue
+        ptr, size = event.extra_fields.ptr, event.extra_fields.alloc_size
+        if size > 0:
+            phase = next((name for start, end, name in windows if start <= event.start_time_ns <= end), "optimizer")
+            live[ptr] = (size, phase)
+            by_phase[phase] += size
+        elif ptr in live:
+            freed, phase = live.pop(ptr)
+            by_phase[phase] -= freed
+        if sum(by_phase.values()) > peak:
+            peak, at_peak = sum(by_phase.values()), {**by_phase, "peak in": next(
+                (name for start, end, name in windows if start <= event.start_time_ns <= end), "optimizer")}
+    state = [t for group in optimizer.state.values() for t in group.values() if isinstance(t, torch.Tensor)]
+    held = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in [*model.parameters(), *state])
+    return {"before the step": held / 2**20, **{name: at_peak[name] / 2**20 for name in MEMORY_PHASES[1:]},
+            "peak in": at_peak["peak in"]}
+
+
 def rank_main(args: argparse.Namespace) -> None:
     torch._inductor.config.cpp.enable_kernel_profile = True
     init_distributed()
@@ -120,13 +168,15 @@ def rank_main(args: argparse.Namespace) -> None:
             dist.barrier()
             steps.append(timed_step(model, optimizer, workload, step_batch(args, workload, tokens, step), device))
         parts = profiled_parts(model, optimizer, workload, step_batch(args, workload, tokens, 0), device)
+        memory = memory_at_peak(model, optimizer, workload, step_batch(args, workload, tokens, 0), device)
         everyone = [None] * world
-        dist.all_gather_object(everyone, (steps, parts))
+        dist.all_gather_object(everyone, (steps, parts, memory))
         slowest = [max((r[0][index] for r in everyone), key=lambda s: sum(s.values())) for index in range(args.steps)]
         phases = {phase: statistics.median(step[phase] for step in slowest) for phase in PHASES}
         rows[name] = {**phases, "step": statistics.median(sum(step.values()) for step in slowest),
                       **{part: statistics.mean(r[1].get(part, 0.0) for r in everyone)
-                         for part in (*PARTS, "gloo (its thread)")}}
+                         for part in (*PARTS, "gloo (its thread)")},
+                      "memory": max((r[2] for r in everyone), key=lambda m: sum(m[p] for p in MEMORY_PHASES))}
         del model, optimizer
     if rank == 0:
         text = table(rows, args)
@@ -152,6 +202,13 @@ def table(rows: dict, args: argparse.Namespace) -> str:
         cells = [f"{rows[name][key] * 1e3:.1f}" + ("" if name == "local" else
                  f" ({(rows[name][key] - floor[key]) * 1e3:+.1f})") for name in names]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    lines += ["", "Live at the peak of one more step, MiB (the rank of the higher peak), by when it was allocated:", "",
+              "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for key in (*MEMORY_PHASES, "peak"):
+        cells = [f"{sum(rows[n]['memory'][p] for p in MEMORY_PHASES):.1f}" if key == "peak" else
+                 f"{rows[n]['memory'][key]:.1f}" for n in names]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    lines.append("| peak falls in | " + " | ".join(rows[n]["memory"]["peak in"] for n in names) + " |")
     return "\n".join(lines) + "\n"
 
 

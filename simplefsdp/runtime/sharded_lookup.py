@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from simplefsdp.runtime.grad_sync import GradientSync
 from simplefsdp.runtime.rank_agreement import agreement_groups, input_shapes
 from simplefsdp.runtime.replicate_compute import gathers_on_read
 
@@ -25,6 +26,7 @@ from simplefsdp.runtime.replicate_compute import gathers_on_read
 # The exchange writes world x tokens x hidden elements about four times (the lookup, its mask, the concatenation, and
 # as many in the backward) where the gathered table is written once: it pays where world x tokens <= rows / 4.
 EXCHANGE_WRITES = 4
+_CPU_GROUPS: dict[str, dist.ProcessGroup] = {}  # by name, the groups lookups compare their ranks' shapes on
 
 
 class _AverageGradient(torch.autograd.Function):
@@ -48,11 +50,12 @@ def can_look_up_where_sharded(module: nn.Module, mode: str, mesh: Any, plain: bo
             and not module.scale_grad_by_freq)
 
 
-def install_sharded_lookup(module: nn.Module, param: DTensor, dtype: torch.dtype | None) -> None:
+def install_sharded_lookup(module: nn.Module, param: DTensor, dtype: torch.dtype | None, sync: GradientSync) -> None:
     """Make ``module``'s forward look its ids up where ``param`` (its ``weight``, a row-sharded DTensor) is sharded,
     where every rank holds rows, at calls whose ranks agree on their inputs' shapes (``_ranks_agree_on_shapes``, set
     by ``agree_on_shapes_every_call`` on ``_shapes_group``; always in a world that cannot disagree, as ``inspect``'s)
-    and where the exchange costs less than the table (``EXCHANGE_WRITES``)."""
+    and where the exchange costs less than the table (``EXCHANGE_WRITES``); not while gradients accumulate without
+    sync (``sync``), whose backward communicates nothing."""
     mesh = param.device_mesh
     world, vocabulary = mesh.size(), param.shape[0]
     rows = math.ceil(vocabulary / world)
@@ -63,13 +66,16 @@ def install_sharded_lookup(module: nn.Module, param: DTensor, dtype: torch.dtype
     group = mesh.get_group()
     module._ranks_agree_on_shapes = not agreement_groups(mesh)
     if not module._ranks_agree_on_shapes:  # the shapes are compared on a CPU group: no wait for a GPU
-        module._shapes_group = group if dist.get_backend(group) == "gloo" else dist.new_group(
+        cpu_group = group if dist.get_backend(group) == "gloo" else dist.new_group(
             dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+        module._shapes_group = cpu_group.group_name  # a name: the module stays copyable
+        _CPU_GROUPS[cpu_group.group_name] = cpu_group
     gathered_forward = type(module).forward
 
     def forward(self: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        tokens = world * ids.numel()
-        if not (gathers_on_read() and self._ranks_agree_on_shapes and EXCHANGE_WRITES * tokens <= vocabulary):
+        synced = sync.enabled and (not sync.reductions_registered or self._grad_accumulators["weight"].grad is None)
+        cheaper = EXCHANGE_WRITES * world * ids.numel() <= vocabulary
+        if not (gathers_on_read() and synced and self._ranks_agree_on_shapes and cheaper):
             return gathered_forward(self, ids)
         return sharded_lookup(ids, self._parameters["weight"], self._first_row, rows, self.padding_idx, dtype)
 
@@ -108,7 +114,7 @@ def agree_on_shapes_every_call(model: nn.Module, call: Callable) -> Callable:
     def agreeing_call(*args: Any, **kwargs: Any) -> Any:
         digest = int(hashlib.sha256(input_shapes(args, kwargs).encode()).hexdigest()[:15], 16)
         extremes = torch.tensor([digest, -digest])  # 60 bits: -digest fits an int64
-        dist.all_reduce(extremes, dist.ReduceOp.MAX, group=lookups[0]._shapes_group)
+        dist.all_reduce(extremes, dist.ReduceOp.MAX, group=_CPU_GROUPS[lookups[0]._shapes_group])
         for module in lookups:
             module._ranks_agree_on_shapes = bool(extremes[0] == -extremes[1])
         return call(*args, **kwargs)

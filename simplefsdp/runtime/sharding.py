@@ -98,7 +98,8 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
             inside = any(prefix == block or prefix.startswith(f"{block}.") for block in blocks)
             install_getters(submodule, keys, accumulators, errors, replicate if inside else outside_blocks)
             if not inside and not tied and can_look_up_where_sharded(submodule, mode, mesh, plain):
-                install_sharded_lookup(submodule, submodule._parameters["weight"], replicate.param_dtype)
+                install_sharded_lookup(submodule, submodule._parameters["weight"], replicate.param_dtype,
+                                       replicate.sync)
             submodule.register_load_state_dict_pre_hook(_shard_plain_tensors)
 
 
