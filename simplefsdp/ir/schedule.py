@@ -99,14 +99,15 @@ class Schedule:
         return [node for node in self.nodes if node.kind == COLLECTIVE]
 
     def parameter_gathers(self) -> list[ScheduleNode]:
-        """The data-parallel all-gathers that depend on no wait and on no compute with FLOPs, program order: those of
-        parameters, which the passes may bucket and move; not an activation's (the sharded lookup's gradient)."""
+        """The data-parallel all-gathers the passes may bucket and move, program order: those of parameters, which
+        depend on no compute with FLOPs, and of quantized gradient sums (uint8: ``hybrid_shard``'s exchange between
+        replicas); not an activation's gradient (the sharded lookup's)."""
         computed: set[str] = set()
         for node in self.nodes:
-            if node.kind == WAIT or node.flops or computed.intersection(node.inputs):
+            if node.flops or computed.intersection(node.inputs):
                 computed.add(node.name)
-        return [node for node in self.data_parallel_collectives()
-                if node.collective.kind == "all_gather" and node.name not in computed]
+        return [node for node in self.data_parallel_collectives() if node.collective.kind == "all_gather"
+                and (node.name not in computed or node.collective.dtype == torch.uint8)]
 
     def data_parallel_collectives(self) -> list[ScheduleNode]:
         """The collectives on ``data_parallel_groups``, program order: not tensor parallelism's."""
