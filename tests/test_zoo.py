@@ -3,9 +3,10 @@ model at a real depth (Hugging Face Llama at 32 layers, Qwen2 at 24, GPT-2, BERT
 at 8, a torchtitan-style Llama with complex rotary embeddings at 16, a ResNet of 8 residual blocks with batch norm)
 against an independent reference: one process training the whole batch from the same init, or, for batch
 norm, ``DistributedDataParallel`` on the same ranks. Every model of ``zoo.ZOO`` trains in one launch (one process
-start, one gloo group), a few SGD steps each; the bounds are derived in ``zoo.py`` as in ``scenarios.py``. The same
-launch trains a subset again with int8 weight gathers and int8 gradient exchanges (error feedback on), against the
-full-precision run of one process, at one layer each (the exchange is the same at any depth).
+start, one gloo group), a few SGD steps each; the bounds are derived in ``zoo.py`` as in ``scenarios.py``. The
+untied token embeddings are looked up where they are sharded (the default), as the collectives of the graphs that ran
+show. The same launch trains a subset again with int8 weight gathers and int8 gradient exchanges (error feedback on),
+against the full-precision run of one process, at one layer each (the exchange is the same at any depth).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ranks import run_on_ranks
 from scenarios import gamma, relative_difference
 from simplefsdp import Quantize, compile_sharded
 from simplefsdp.runtime.quantize import error_feedback_state
+from simplefsdp.runtime.rank_agreement import GRAPHS
 from zoo import ZOO, build, zoo_bound, zoo_update_bound
 
 STEPS, LOCAL_BATCH, LR = 3, 2, 0.1
@@ -41,6 +43,11 @@ QUANTIZED = ("gpt2", "mixtral", "lora_llama", "fewer_elements_than_ranks", "root
 # norm); a broken format (scales or codes misread) moves the loss by its
 # own order, or to NaN.
 INT8_SANITY = 32 / 254
+# The models whose token embedding (its name), untied and outside the blocks, is looked up where it is sharded by
+# default (``runtime/sharded_lookup.py``: zoo.VOCAB's 257 rows take 4 x 2 ranks x 32 tokens); the tied ones (GPT-2,
+# BERT, T5) and the position embeddings (32 rows) are gathered.
+LOOKED_UP = {"llama": "embed_tokens", "qwen2": "embed_tokens", "mixtral": "embed_tokens", "lora_llama": "embed_tokens",
+             "complex_rotary_llama": "embedding"}
 
 
 def _slice(value, rank: int, ranks: int):
@@ -65,13 +72,22 @@ def _train(name: str, model: nn.Module, rank: int = 0, ranks: int = 1) -> tuple[
     return losses, params
 
 
+def _ids_gathered(graphs_before: set) -> list[str]:
+    """The modules (last name) that all-gather token ids (int64) in the compiled graphs run since ``graphs_before``
+    was taken (``GRAPHS``: each graph's collectives, as the rank guard compares them): the sharded lookups that ran."""
+    lines = [line for lines, _ in set(GRAPHS) - graphs_before for line in lines.split("\n")]
+    return sorted({line.rsplit(".", 1)[-1] for line in lines
+                   if line.startswith("all_gather ") and "dtype=torch.int64" in line})
+
+
 def _train_the_zoo() -> dict[str, dict]:
     rank, ranks = dist.get_rank(), dist.get_world_size()
     results = {}
     for name, entry in ZOO.items():
+        graphs_before = set(GRAPHS)
         model = compile_sharded(build(name))
         losses, params = _train(name, model, rank, ranks)
-        results[name] = {"losses": losses, "params": params}
+        results[name] = {"losses": losses, "params": params, "ids_gathered": _ids_gathered(graphs_before)}
         if name == "lora_llama":  # after training, as peft users merge the adapters to save the model
             merged = model.merge_and_unload()
             results[name]["merged"] = {key: p.full_tensor() for key, p in merged.named_parameters()}
@@ -94,6 +110,9 @@ def per_rank() -> list[dict]:
 
 
 def test_zoo_trains_like_its_reference_with_default_options(per_rank):
+    for result in per_rank:
+        assert {name: result[name]["ids_gathered"] for name in ZOO if result[name]["ids_gathered"]} == {
+            name: [embedding] for name, embedding in LOOKED_UP.items()}
     for name, entry in ZOO.items():
         initial = dict(build(name).named_parameters())
         if entry.reference == "process":
