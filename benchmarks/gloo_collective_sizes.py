@@ -1,0 +1,55 @@
+"""What a gloo all-gather costs by size and by form, on the ranks of one machine (issue 64's next levers).
+
+    torchrun --nproc-per-node 2 benchmarks/gloo_collective_sizes.py
+
+Per shard size, the median wall and process CPU time (gloo's threads included) of one functional all-gather, of the
+same bytes as an all-to-all of the shard repeated once per rank, and of the shard all-gathered in 4 and 16 chunks
+issued together and then waited. Medians of 15 calls, each after a barrier; printed by rank 0.
+"""
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+CALLS = 15
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, name = dist.get_world_size(), dist.group.WORLD.group_name
+    ops = torch.ops._c10d_functional
+
+    def all_gather(shard: torch.Tensor, chunks: int = 1) -> None:
+        works = [ops.all_gather_into_tensor(piece, world, name) for piece in shard.chunk(chunks)]
+        for work in works:
+            ops.wait_tensor(work)
+
+    def all_to_all(shard: torch.Tensor) -> None:
+        splits = [shard.numel()] * world
+        ops.wait_tensor(ops.all_to_all_single(shard.repeat(world), splits, splits, name))
+
+    forms = {"all-gather": all_gather, "all-to-all": all_to_all, "all-gather, 4 chunks": lambda s: all_gather(s, 4),
+             "all-gather, 16 chunks": lambda s: all_gather(s, 16)}
+    if dist.get_rank() == 0:
+        print("| shard MiB | form | wall ms | CPU ms |\n|---|---|---|---|")
+    for mib in (0.25, 1, 4, 16, 64):
+        shard = torch.randn(int(mib * 2**20) // 4)
+        for form, run in forms.items():
+            walls, cpus = [], []
+            for _ in range(CALLS):
+                dist.barrier()
+                wall, cpu = time.perf_counter(), time.process_time()
+                run(shard)
+                walls.append(time.perf_counter() - wall)
+                cpus.append(time.process_time() - cpu)
+            if dist.get_rank() == 0:
+                print(f"| {mib} | {form} | {1e3 * statistics.median(walls):.2f} | {1e3 * statistics.median(cpus):.2f} |",
+                      flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
