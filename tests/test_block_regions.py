@@ -15,7 +15,7 @@ import pytest
 import torch
 from ranks import run_on_ranks
 from torch import nn
-from torch._dynamo.utils import compilation_time_metrics
+from torch._dynamo.utils import compilation_time_metrics, counters
 
 import simplefsdp
 from simplefsdp.api import blocks_once_by_default
@@ -335,11 +335,12 @@ def test_blocks_that_take_other_objects_are_refused_naming_the_fix(fake_world):
 
 
 class NestedOutputBlock(ReluBlock):
-    """Returns ``(hidden, None)``, or ``(hidden, {"mean": ...})`` with ``stats``: one region, two output structures."""
+    """Returns ``(hidden, None, bias)``, or ``(hidden, {"mean": ...}, bias)`` with ``stats``: one region, two output
+    structures; ``bias`` is its own input, passed on as T5's blocks pass on their position bias."""
 
-    def forward(self, x: torch.Tensor, stats: bool = False) -> tuple:
-        hidden = torch.relu(self.linear(x))
-        return hidden, ({"mean": hidden.mean()} if stats else None)
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, stats: bool = False) -> tuple:
+        hidden = torch.relu(self.linear(x)) + bias
+        return hidden, ({"mean": hidden.mean()} if stats else None), bias
 
 
 class NestedOutputModel(nn.Module):
@@ -348,30 +349,37 @@ class NestedOutputModel(nn.Module):
         self.layers = nn.ModuleList(NestedOutputBlock() for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = x.mean(0)
         for index, layer in enumerate(self.layers):
-            x, stats = layer(x, stats=index % 2 == 1)
+            x, stats, bias = layer(x, bias, stats=index % 2 == 1)
             if stats is not None:
                 x = x - stats["mean"]
         return x
 
 
-def _blocks_once_difference(build: Callable[[], nn.Module]) -> float:
-    """The largest difference between ``build()``'s model unsharded and sharded with ``compile_blocks_once``."""
+def _blocks_once_difference(build: Callable[[], nn.Module]) -> tuple[float, int]:
+    """The largest difference between ``build()``'s model unsharded and sharded with ``compile_blocks_once``, over
+    two calls, and how many graphs the second call compiled."""
     torch.manual_seed(0)
     model = build()
     x = torch.randn(4, 8)
     expected = model(x)
     simplefsdp.compile_sharded(model, compile_blocks_once=True, backend="aot_eager")
-    return (model(x) - expected).abs().max().item()
+    first = (model(x) - expected).abs().max().item()
+    graphs_before = counters["stats"]["unique_graphs"]
+    second = (model(x) - expected).abs().max().item()
+    return max(first, second), counters["stats"]["unique_graphs"] - graphs_before
 
 
-def test_blocks_may_return_constants_and_nested_tensors():
-    """A region returns only tensors; the call rebuilds ``(hidden, None)`` and ``(hidden, {"mean": ...})`` from the
-    structure recorded for its reuse key. The blocks alternate: the third block is traced after the second, and the
-    fourth reuses the second's trace, so a structure recorded per region instead of per key would give the fourth
-    block ``None`` where its mean is due. Bitwise, as ``aot_eager`` runs eager's ops on the gathered weights (2 gloo
-    ranks)."""
-    assert run_on_ranks(2, _blocks_once_difference, NestedOutputModel) == [0.0, 0.0]
+def test_blocks_may_return_constants_nested_tensors_and_their_inputs():
+    """A region returns only tensors it computed; the call rebuilds ``(hidden, None, bias)`` and
+    ``(hidden, {"mean": ...}, bias)`` from the structure recorded for its reuse key, ``bias`` being the block's input
+    (Dynamo refuses a region that returns its input). The blocks alternate: the third block is traced after the
+    second, and the fourth reuses the second's trace, so a structure recorded per region instead of per key would give
+    the fourth block ``None`` where its mean is due. The second call compiles nothing: Dynamo would otherwise guard on
+    the recorded structures as they were before the first trace, and compile the model again. Bitwise, as
+    ``aot_eager`` runs eager's ops on the gathered weights (2 gloo ranks)."""
+    assert run_on_ranks(2, _blocks_once_difference, NestedOutputModel) == [(0.0, 0), (0.0, 0)]
 
 
 class ScaledBlock(ReluBlock):
@@ -399,4 +407,4 @@ def test_blocks_reuse_a_traced_region_only_for_the_same_arguments():
     reused for another ``scale`` or shape of ``pair[1]`` (whose ``dim()`` is traced as a constant), the blocks would
     compute the wrong values: each of the two fails this test when the key leaves it out. Bitwise, as
     ``aot_eager`` runs eager's ops on the gathered weights (2 gloo ranks)."""
-    assert run_on_ranks(2, _blocks_once_difference, ScaledModel) == [0.0, 0.0]
+    assert run_on_ranks(2, _blocks_once_difference, ScaledModel) == [(0.0, 0), (0.0, 0)]

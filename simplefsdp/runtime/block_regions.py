@@ -155,7 +155,8 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, 
     """A call of the nested compile region that runs ``template`` on given tensors (``names``' values, the first
     positional arguments) and the block's own arguments, inside ``checkpoint`` with ``checkpointing``'s options if not
     None; it returns the block's output. Dynamo traces it once per ``reuse_key``; an output with leaves other than
-    tensors (``(hidden, None)``) is rebuilt from the structure recorded while tracing (``ARCHITECTURE.md``)."""
+    tensors (``(hidden, None)``) or that holds one of the region's inputs is rebuilt from the structure recorded while
+    tracing (``ARCHITECTURE.md``)."""
 
     def run(*flat, **kwargs):
         return functional_call(template, dict(zip(names, flat)), flat[len(names):], kwargs, tie_weights=False)
@@ -165,18 +166,23 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, 
             output = run(*flat, **kwargs)
         else:
             output = checkpoint(run, *flat, **kwargs, **dict(checkpointing))
-        if isinstance(output, torch.Tensor) or (
-                isinstance(output, (tuple, list)) and all(isinstance(item, torch.Tensor) for item in output)):
-            return output
         leaves, spec = tree_flatten(output)
-        structures[reuse_key(*flat, **kwargs)] = spec, [None if isinstance(leaf, torch.Tensor) else (leaf,)
-                                                         for leaf in leaves]
-        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+        inputs = _tensors(flat, kwargs)
+        # how the caller rebuilds each leaf: None where the region returns it, else ("constant", the value) or
+        # ("input", its index): a region may not return its input (T5's blocks return the position bias they got)
+        rebuilt = [("constant", leaf) if not isinstance(leaf, torch.Tensor)
+                   else next((("input", index) for index, tensor in enumerate(inputs) if leaf is tensor), None)
+                   for leaf in leaves]
+        if all(how is None for how in rebuilt) and (isinstance(output, torch.Tensor) or (
+                isinstance(output, (tuple, list)) and len(output) == len(leaves))):
+            return output
+        structures[reuse_key(*flat, **kwargs)] = spec, rebuilt
+        return tuple(leaf for leaf, how in zip(leaves, rebuilt) if how is None)
 
     # Dynamo counts a region's traced variants (at most 8) per code, compared by value: a code of its own per region
     # (its name) lets a model hold more distinct blocks than that (Hugging Face's, each with its own layer_idx)
     compute.__code__ = compute.__code__.replace(co_name=f"compute_{name}")
-    structures: dict[int, tuple] = {}  # per reuse key, an output with other leaves: its spec, its constants boxed
+    structures = OutputStructures()
     region_id = id(template)
 
     def reuse_key(*flat, **kwargs) -> int:
@@ -188,13 +194,31 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, 
 
     def call(*flat, **kwargs):
         output = region(*flat, **kwargs)
-        if not structures or (structure := structures.get(reuse_key(*flat, **kwargs))) is None:
+        if (structure := structures.get(reuse_key(*flat, **kwargs))) is None:
             return output
-        spec, leaves = structure
-        tensors = iter(output)
-        return tree_unflatten([next(tensors) if leaf is None else leaf[0] for leaf in leaves], spec)
+        spec, rebuilt = structure
+        tensors, inputs = iter(output), _tensors(flat, kwargs)
+        return tree_unflatten([next(tensors) if how is None else how[1] if how[0] == "constant" else inputs[how[1]]
+                               for how in rebuilt], spec)
 
     return call
+
+
+class OutputStructures(dict):
+    """Per reuse key, a region output's pytree spec and how each leaf is rebuilt, written while Dynamo traces the
+    region. Entries are only added, and always the same for a key, so Dynamo need not guard on them
+    (``without_output_structure_guards``): its guard on the dict as it was before the first trace fails at the second
+    call, which would compile the whole model again."""
+
+
+def without_output_structure_guards(entries: list) -> list[bool]:
+    """A ``guard_filter_fn`` for ``torch.compile``: every guard but those on an ``OutputStructures``."""
+    return [not isinstance(entry.value, OutputStructures) for entry in entries]
+
+
+def _tensors(flat: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a region is called with, in order."""
+    return [leaf for leaf in tree_leaves((flat, kwargs)) if isinstance(leaf, torch.Tensor)]
 
 
 def _describe(value) -> object:

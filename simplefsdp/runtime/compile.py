@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from simplefsdp.ir.capture import compiling_regions
+from simplefsdp.runtime.block_regions import without_output_structure_guards
 from simplefsdp.runtime.cpu_isa import check_vector_isas_once_per_machine
 from simplefsdp.runtime.hugging_face import graph_break_fix
 from simplefsdp.runtime.mesh import mesh_by_value
@@ -59,6 +60,9 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
         from simplefsdp.runtime.precompile import PrecompiledCall
         call = PrecompiledCall(module, backend, precompile_run)
     else:
+        if options.get("mode") is None:  # torch.compile takes a mode or options; a mode only for another backend
+            filtered = {**(options.get("options") or {}), "guard_filter_fn": without_output_structure_guards}
+            options = {**options, "options": filtered}
         compiled = torch.compile(sharded_call, backend=KeepGradientsOfUnusedOutputs(backend), **options)
         call = _tell_graph_breaks_and_recompiles(_refuse_eager_past_the_recompile_limit(compiled), module)
     set_compiled_call(module, agree_on_shapes_every_call(module, call))
