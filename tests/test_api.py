@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Callable
 
 import pytest
 import torch
@@ -144,6 +145,24 @@ def test_every_model_compiles_past_dynamos_per_code_limit(fake_world):
         model = compile_sharded(TwoLinears(), backend="eager")
         model(torch.randn(2, 8))
     assert counters["stats"]["unique_graphs"] - before == 10
+
+
+def test_a_model_compiles_static_whatever_shapes_other_models_were_called_with(fake_world):
+    """Dynamo records which input sizes changed (automatic dynamic shapes) per code's file, line and name; each sharded
+    model's compiled call has a name of its own, so a model called with one shape compiles static even where another
+    model was called with two (a shared name compiled its first graph dynamic: regions then fail, whole graphs slow)."""
+    symbolic_inputs = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        symbolic_inputs.append(sum(isinstance(value, torch.SymInt) for value in example_inputs))
+        return graph.forward
+
+    other = compile_sharded(TwoLinears(), backend=backend)
+    for rows in (2, 3, 4):
+        other(torch.randn(rows, 8))
+    model = compile_sharded(TwoLinears(), backend=backend)
+    model(torch.randn(5, 8))
+    assert symbolic_inputs[0] == 0 and symbolic_inputs[-1] == 0, symbolic_inputs
 
 
 def _losses_and_guard_checks_called_four_ways() -> dict[str, tuple[list[float], int]]:

@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import itertools
 import os
 import sys
 import time
@@ -38,6 +39,9 @@ from simplefsdp.runtime.sharded_lookup import agree_on_shapes_every_call
 from simplefsdp.runtime.unused_outputs import KeepGradientsOfUnusedOutputs
 
 
+_COMPILED_MODELS = itertools.count()
+
+
 def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[str, Any],
                      precompile_run: str | None = None) -> None:
     """``module.compile(...)``, keeping the module object and ``state_dict`` keys, naming graph breaks and recompiles;
@@ -50,8 +54,10 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
         return module._call_impl(*args, **kwargs)
 
     # Dynamo keeps graphs, and counts recompiles against its limit (8), per code object: a copy of the code per model
-    # keeps one model's graphs (sync on and off, new shapes) from running another model eagerly past the limit.
-    sharded_call.__code__ = sharded_call.__code__.replace()
+    # keeps one model's graphs (sync on and off, new shapes) from running another model eagerly past the limit. It
+    # records which sizes changed (automatic dynamic shapes) per code's file, line and name: a name per model keeps
+    # another model's shapes from compiling this one dynamic at its first call.
+    sharded_call.__code__ = sharded_call.__code__.replace(co_name=f"sharded_call_{next(_COMPILED_MODELS)}")
 
     if backend == "inductor":
         options = dict(options)
