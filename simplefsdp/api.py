@@ -221,7 +221,7 @@ def compile_sharded(
 def plan_per_block_where_first_inputs_differ(model: nn.Module, overlap: OverlapPasses) -> None:
     """At ``model``'s first call, before anything compiles, plan ``"block"`` buckets where the ranks' input shapes
     differ: "auto" buckets, priced on each rank's shapes, could differ between ranks."""
-    from simplefsdp.runtime.compile import set_compiled_call
+    from simplefsdp.runtime.compiled_call import set_compiled_call
     compiled = model._compiled_call_impl
 
     def first_call(*args: Any, **kwargs: Any) -> Any:

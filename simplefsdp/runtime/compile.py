@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import hashlib
 import itertools
 import os
@@ -32,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from simplefsdp.ir.capture import compiling_regions
 from simplefsdp.runtime.block_regions import without_output_structure_guards
+from simplefsdp.runtime.compiled_call import set_compiled_call
 from simplefsdp.runtime.cpu_isa import check_vector_isas_once_per_machine
 from simplefsdp.runtime.hugging_face import graph_break_fix
 from simplefsdp.runtime.mesh import mesh_by_value
@@ -72,26 +72,6 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
         compiled = torch.compile(sharded_call, backend=KeepGradientsOfUnusedOutputs(backend), **options)
         call = _tell_graph_breaks_and_recompiles(_refuse_eager_past_the_recompile_limit(compiled), module)
     set_compiled_call(module, agree_on_shapes_every_call(module, call))
-
-
-def set_compiled_call(module: nn.Module, call: Callable) -> None:
-    """Make ``module(...)`` run ``call``, also inside an outer ``torch.compile`` (of the model, as FSDP2 users write
-    after ``fully_shard``, or of a function calling it): Dynamo breaks its graph there and runs ``call``, our compiled
-    graphs, instead of tracing the sharded model again without our passes and rank guard; ``module.compile()`` keeps
-    ``call`` too."""
-    module._compiled_call_impl = torch.compiler.disable(
-        call, reason="compile_sharded compiled this model already; an outer torch.compile runs its graphs as they are, "
-        "which fullgraph=True forbids: drop fullgraph=True there, or the outer torch.compile")
-    # Dynamo inlines a module's forward, skipping _compiled_call_impl, unless the module holds a forward of its own
-    module.forward = module.forward
-    module.compile = functools.partial(_compiled_already, type(module).__name__)
-
-
-def _compiled_already(name: str, *args: Any, **kwargs: Any) -> None:
-    """``model.compile(...)`` (``nn.Module.compile``) of a model ``compile_sharded`` compiled: its graphs stay."""
-    if args or kwargs:
-        warnings.warn(f"{name}.compile(...) keeps the graphs compile_sharded compiled, so its arguments apply to "
-                      "nothing: pass backend, mode, options, fullgraph or dynamic to compile_sharded", stacklevel=2)
 
 
 def _refuse_eager_past_the_recompile_limit(compiled: Callable) -> Callable:

@@ -45,7 +45,7 @@ def refuse_calls_until_materialized(model: nn.Module) -> None:
     """Make a call of the compiled ``model`` (sharded on ``meta``) raise while a parameter or buffer is still on
     ``meta``, before Dynamo traces and before any collective; once ``materialize_sharded`` has filled it, calls run
     the compiled call as it was. Without it, Inductor failed about 40 s into the first call ("meta and cpu!")."""
-    from simplefsdp.runtime.compile import set_compiled_call
+    from simplefsdp.runtime.compiled_call import set_compiled_call
     compiled = model._compiled_call_impl
 
     def first_call(*args, **kwargs):
