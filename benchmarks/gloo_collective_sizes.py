@@ -4,7 +4,7 @@
 
 Per shard size, the median wall and process CPU time (gloo's threads included) of one functional all-gather, of the
 same bytes as an all-to-all of the shard repeated once per rank, and of the shard all-gathered in 4 and 16 chunks
-issued together and then waited. Medians of 15 calls, each after a barrier; printed by rank 0.
+issued together and then waited (and in 16 chunks reassembled into one rank-major buffer, as a parameter needs it). Medians of 15 calls, each after a barrier; printed by rank 0.
 """
 
 import statistics
@@ -22,17 +22,19 @@ def main() -> None:
     world, name = dist.get_world_size(), dist.group.WORLD.group_name
     ops = torch.ops._c10d_functional
 
-    def all_gather(shard: torch.Tensor, chunks: int = 1) -> None:
+    def all_gather(shard: torch.Tensor, chunks: int = 1, reassemble: bool = False) -> None:
         works = [ops.all_gather_into_tensor(piece, world, name) for piece in shard.chunk(chunks)]
-        for work in works:
-            ops.wait_tensor(work)
+        gathered = [ops.wait_tensor(work) for work in works]
+        if reassemble:
+            torch.cat([part.view(world, -1) for part in gathered], dim=1)
 
     def all_to_all(shard: torch.Tensor) -> None:
         splits = [shard.numel()] * world
         ops.wait_tensor(ops.all_to_all_single(shard.repeat(world), splits, splits, name))
 
     forms = {"all-gather": all_gather, "all-to-all": all_to_all, "all-gather, 4 chunks": lambda s: all_gather(s, 4),
-             "all-gather, 16 chunks": lambda s: all_gather(s, 16)}
+             "all-gather, 16 chunks": lambda s: all_gather(s, 16),
+             "all-gather, 16 chunks, reassembled": lambda s: all_gather(s, 16, reassemble=True)}
     if dist.get_rank() == 0:
         print("| shard MiB | form | wall ms | CPU ms |\n|---|---|---|---|")
     for mib in (0.25, 1, 4, 16, 64):
