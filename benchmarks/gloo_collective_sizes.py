@@ -4,7 +4,8 @@
 
 Per shard size, the median wall and process CPU time (gloo's threads included) of one functional all-gather, of the
 same bytes as an all-to-all of the shard repeated once per rank, and of the shard all-gathered in 4 and 16 chunks
-issued together and then waited (and in 16 chunks reassembled into one rank-major buffer, as a parameter needs it). Medians of 15 calls, each after a barrier; printed by rank 0.
+issued together and then waited (and in 16 chunks reassembled into one rank-major buffer, as a parameter needs it).
+Medians of 15 calls, each after a barrier; printed by rank 0.
 """
 
 import statistics
