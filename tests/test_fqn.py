@@ -19,6 +19,8 @@ from simplefsdp.ir.fqn import node_fqn, parse_module_path
         ("L['self'].layers.0._checkpoint_wrapped_module.mlp", "layers.0.mlp"),
         ("L['self'].layers[0].forward.args[0].__self__.attention.wq", "layers.0.attention.wq"),  # checkpointed block
         ("L['forward'].__self__.layers[0].forward.args[0].__self__.wq", "layers.0.wq"),  # and inspect's loss
+        ("L['module'].forward.__self__.model.embed_tokens", "model.embed_tokens"),  # compile_sharded's own forward
+        ("L['module'].__dict__['_modules']['base_model'].model.lm_head", "base_model.model.lm_head"),  # peft
         ("self.layers.1.ffn", "layers.1.ffn"),
         ("fn.norm", "norm"),
         ("L['self']", ""),

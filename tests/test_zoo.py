@@ -44,16 +44,16 @@ QUANTIZED = ("gpt2", "mixtral", "lora_llama", "fewer_elements_than_ranks", "root
 # norm); a broken format (scales or codes misread) moves the loss by its
 # own order, or to NaN.
 INT8_SANITY = 32 / 254
-# The models whose token embedding (its name), untied and outside the blocks, is looked up where it is sharded by
-# default (``runtime/sharded_lookup.py``: zoo.VOCAB's 257 rows take 4 x 2 ranks x 32 tokens); the tied ones (GPT-2,
-# BERT, T5) and the position embeddings (32 rows) are gathered.
-LOOKED_UP = {"llama": "embed_tokens", "qwen2": "embed_tokens", "mixtral": "embed_tokens", "lora_llama": "embed_tokens",
-             "complex_rotary_llama": "embedding"}
+# The models whose token embedding (its full name, as a run's graphs read it), untied and outside the blocks, is looked
+# up where it is sharded by default (``runtime/sharded_lookup.py``: zoo.VOCAB's 257 rows take 4 x 2 ranks x 32
+# tokens); the tied ones (GPT-2, BERT, T5) and the position embeddings (32 rows) are gathered.
+LOOKED_UP = {"llama": "model.embed_tokens", "qwen2": "model.embed_tokens", "mixtral": "model.embed_tokens",
+             "lora_llama": "base_model.model.model.embed_tokens", "complex_rotary_llama": "embedding"}
 # The models whose repeated blocks compile once, in regions, by default (``compile_blocks_once=None``) and keep them
-# through training: every model with two blocks alike or more but those ``block_regions_refusal`` refuses (a complex buffer, batch
-# norms tracking running statistics), each named in one line. A region that fails to compile would step back to the
-# whole graph, as T5's did while its blocks passed on their input, and Mixtral's while another model's shapes compiled
-# it dynamic.
+# through training: every model with two blocks alike or more but those ``block_regions_refusal`` refuses (a complex
+# buffer, batch norms tracking running statistics), each named in one line. A region that fails to compile would step
+# back to the whole graph, as T5's did while its blocks passed on their input, and Mixtral's while another model's
+# shapes compiled it dynamic.
 IN_REGIONS = {"llama", "qwen2", "gpt2", "bert", "t5", "vit", "mixtral"}
 
 
@@ -80,10 +80,10 @@ def _train(name: str, model: nn.Module, rank: int = 0, ranks: int = 1) -> tuple[
 
 
 def _ids_gathered(graphs_before: set) -> list[str]:
-    """The modules (last name) that all-gather token ids (int64) in the compiled graphs run since ``graphs_before``
+    """The modules (full names) that all-gather token ids (int64) in the compiled graphs run since ``graphs_before``
     was taken (``GRAPHS``: each graph's collectives, as the rank guard compares them): the sharded lookups that ran."""
     lines = [line for lines, _ in set(GRAPHS) - graphs_before for line in lines.split("\n")]
-    return sorted({line.rsplit(".", 1)[-1] for line in lines
+    return sorted({line.rpartition(" module=")[2] for line in lines
                    if line.startswith("all_gather ") and "dtype=torch.int64" in line})
 
 

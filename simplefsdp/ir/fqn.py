@@ -10,10 +10,12 @@ from torch import fx
 _ROOT = re.compile(r"""^(?:L|G)\[(['"])[^'"]*\1\]|^(?:self|fn)(?=\.|$)""")
 # Container access written as ._modules['x'], ['x'], [0] or getattr(..., 'x').
 _SUBSCRIPT = re.compile(r"""(?:\._modules)?\[(['"]?)([^'"\]]+)\1\]""")
-# __self__: the module of a bound forward that a partial wraps (L['forward'].__self__.norm: inspect's loss).
-_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "__self__")
-# A block whose forward is a partial of its own bound forward (activation checkpointing).
-_BOUND_FORWARD = re.compile(r"\.forward\.args\.0\.__self__(?=\.|$)")
+# __self__: the module of a bound forward that a partial wraps (L['forward'].__self__.norm: inspect's loss);
+# __dict__ and _modules: a submodule read through the instance dict (peft's LoRA wrapper: __dict__['_modules']).
+_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "__self__", "__dict__", "_modules")
+# A module's own bound forward: a partial of it (activation checkpointing), or the instance attribute compile_sharded
+# sets (``module.forward = module.forward``: L['module'].forward.__self__.lm_head).
+_BOUND_FORWARD = re.compile(r"\.forward(?:\.args\.0)?\.__self__(?=\.|$)")
 
 
 def parse_module_path(path: str) -> str:
