@@ -63,10 +63,10 @@ def part_of(name: str) -> str:
     return "copies and casts" if bare.startswith(COPIES) else "compute"
 
 
-def timed_step(model, optimizer, workload, batch, device) -> dict[str, float]:
+def timed_step(model, optimizer, batch, device) -> dict[str, float]:
     (inputs, target), = micro_batches(batch, 1, device)
     marks = [time.perf_counter()]
-    loss = workload.loss(model(*inputs), target)
+    loss = model(*inputs, target)
     marks.append(time.perf_counter())
     loss.backward()
     marks.append(time.perf_counter())
@@ -77,13 +77,13 @@ def timed_step(model, optimizer, workload, batch, device) -> dict[str, float]:
     return {phase: end - start for phase, start, end in zip(PHASES, marks, marks[1:])}
 
 
-def profiled_parts(model, optimizer, workload, batch, device) -> dict[str, float]:
+def profiled_parts(model, optimizer, batch, device) -> dict[str, float]:
     """Seconds of each of ``PARTS`` in the main thread's self time of one step, and ``gloo`` on its own thread."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("breakdown.step"):
-            timed_step(model, optimizer, workload, batch, device)
+            timed_step(model, optimizer, batch, device)
     events = prof.events()
     window = next(event for event in events if event.name == "breakdown.step")
     main = window.thread
@@ -102,7 +102,7 @@ def profiled_parts(model, optimizer, workload, batch, device) -> dict[str, float
     return dict(parts)
 
 
-def memory_at_peak(model, optimizer, workload, batch, device) -> dict[str, float]:
+def memory_at_peak(model, optimizer, batch, device) -> dict[str, float]:
     """MiB live at the peak of one more step (CPU allocations, as ``bench``'s peak), by when they were allocated: held
     from before the step (the parameters' shards and the optimizer's state, counted from the tensors), in the
     forward, the backward or the optimizer step; and the phase the peak falls in (``"peak in"``)."""
@@ -112,7 +112,7 @@ def memory_at_peak(model, optimizer, workload, batch, device) -> dict[str, float
     (inputs, target), = micro_batches(batch, 1, device)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("breakdown.forward"):
-            loss = workload.loss(model(*inputs), target)
+            loss = model(*inputs, target)
         with record_function("breakdown.backward"):
             loss.backward()
         with record_function("breakdown.optimizer"):
@@ -162,13 +162,13 @@ def rank_main(args: argparse.Namespace) -> None:
         contender = next(c for c in CONTENDERS if c.name == name)
         model, optimizer = build(contender, args, workload)
         for step in range(1, args.warmup + 1):
-            timed_step(model, optimizer, workload, step_batch(args, workload, tokens, step), device)
+            timed_step(model, optimizer, step_batch(args, workload, tokens, step), device)
         steps = []
         for step in range(args.warmup + 1, args.warmup + args.steps + 1):
             dist.barrier()
-            steps.append(timed_step(model, optimizer, workload, step_batch(args, workload, tokens, step), device))
-        parts = profiled_parts(model, optimizer, workload, step_batch(args, workload, tokens, 0), device)
-        memory = memory_at_peak(model, optimizer, workload, step_batch(args, workload, tokens, 0), device)
+            steps.append(timed_step(model, optimizer, step_batch(args, workload, tokens, step), device))
+        parts = profiled_parts(model, optimizer, step_batch(args, workload, tokens, 0), device)
+        memory = memory_at_peak(model, optimizer, step_batch(args, workload, tokens, 0), device)
         everyone = [None] * world
         dist.all_gather_object(everyone, (steps, parts, memory))
         slowest = [max((r[0][index] for r in everyone), key=lambda s: sum(s.values())) for index in range(args.steps)]

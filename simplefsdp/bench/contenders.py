@@ -50,6 +50,8 @@ def _fsdp2(model: nn.Module, args: argparse.Namespace, compile_blocks: bool = Fa
             block = torch.compile(block, backend=args.backend)
             model.get_submodule(parent).register_module(child, block)
         fully_shard(block, mp_policy=mp_policy)
+    if compile_blocks:  # torchtitan compiles the loss on its own too (compile.components: model and loss)
+        model.loss = torch.compile(model.loss, backend=args.backend)
     return fully_shard(model, mp_policy=mp_policy)
 
 
@@ -78,7 +80,7 @@ CONTENDERS = [
               "with error feedback", partial(_simplefsdp, quantize=Quantize("int8", "int8"))),
     Contender("simplefsdp-replicate", "compile_sharded(mode='replicate'): DDP's layout, bucketed all-reduces",
               partial(_simplefsdp, mode="replicate")),
-    Contender("fsdp2-compile", "fully_shard on each block and the root, each block torch.compile'd",
+    Contender("fsdp2-compile", "fully_shard on each block and the root, each block and the loss torch.compile'd",
               partial(_fsdp2, compile_blocks=True)),
     Contender("ddp-compile", "DistributedDataParallel, torch.compile'd (full precision)", _ddp_compiled),
     Contender("local", "one process per rank, its own per-rank batch, no communication, compiled (full precision)",

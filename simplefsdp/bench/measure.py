@@ -16,7 +16,7 @@ from torch import nn
 
 from simplefsdp.bench.contenders import CONTENDERS, Contender
 from simplefsdp.bench.profiling import WINDOW, read_profile
-from simplefsdp.models.workload import Batch, Workload, load_workload, micro_batches
+from simplefsdp.models.workload import Batch, ModelWithLoss, Workload, load_workload, micro_batches
 from simplefsdp.runtime.grad_sync import reduces_every_micro_batch
 from simplefsdp.runtime.mesh import device_type, init_distributed
 from simplefsdp.train import learning_rate
@@ -42,14 +42,15 @@ METHODS = {
 def build(contender: Contender, args: argparse.Namespace, workload: Workload
           ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model built from ``--seed`` and wrapped by ``contender``, with its optimizer."""
-    model = contender.wrap(workload.build(args.seed).to(device_type()), args)
+    model = workload.build(args.seed).to(device_type())
+    model = contender.wrap(ModelWithLoss(model, workload.loss), args)
     implementation = {"foreach": True} if args.foreach else {"fused": True}  # fused: as train, torchtitan's default
     return model, torch.optim.AdamW(model.parameters(), lr=learning_rate(args.lr, "adamw"), **implementation)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn, count: int = 1,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, count: int = 1,
                reduce_every: bool = False) -> float:
-    """Forward, ``loss_fn(output, target)`` and backward on each of ``count`` slices of ``batch``, gradients reduced
+    """``model(*inputs, target)``, the loss, and backward on each of ``count`` slices of ``batch``, gradients reduced
     after the last only (FSDP2's ``set_requires_gradient_sync``, ours, DDP's ``no_sync``) or, with
     ``reduce_every``, after each; then the optimizer step. The loss, after the device finished the step."""
     chunks, loss = micro_batches(batch, count, device_type()), 0.0
@@ -58,7 +59,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
         if hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(sync)
         with contextlib.nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync():
-            micro_loss = loss_fn(model(*inputs), target) / len(chunks)
+            micro_loss = model(*inputs, target) / len(chunks)
             micro_loss.backward()
         loss = loss + micro_loss.detach()
     optimizer.step()
@@ -103,7 +104,7 @@ class TimedRun:
         batch = step_batch(self.args, self.workload, self.tokens, step)
         dist.barrier()
         start = time.perf_counter()
-        self.losses.append(train_step(self.model, self.optimizer, batch, self.workload.loss,
+        self.losses.append(train_step(self.model, self.optimizer, batch,
                                       *accumulation(self.contender, self.args)))
         self.times.append(time.perf_counter() - start)
 
@@ -151,7 +152,7 @@ def profile_pass(contender: Contender, args: argparse.Namespace, workload: Workl
                 torch.cuda.reset_peak_memory_stats()
             gc.collect()
             with record_function(WINDOW if step == 2 else "warm-up"):
-                train_step(model, optimizer, batch, workload.loss, *accumulation(contender, args))
+                train_step(model, optimizer, batch, *accumulation(contender, args))
         cuda_peak = torch.cuda.max_memory_allocated() - before if device_type() == "cuda" else None
         del model, optimizer
     counts = read_profile(prof, dist.get_backend(), dist.get_world_size())

@@ -38,6 +38,19 @@ def token_loss(output, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
+class ModelWithLoss(nn.Module):
+    """``model`` and its loss in one forward, ``(*inputs, target) -> loss``, as a Hugging Face model computes its loss
+    from ``labels``: what compiles the model's forward can take the loss into the same graph."""
+
+    def __init__(self, model: nn.Module, loss: Callable[[object, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, *inputs_and_target) -> torch.Tensor:
+        *inputs, target = inputs_and_target
+        return self.loss(self.model(*inputs), target)
+
+
 @dataclass
 class Workload:
     """``builder()``: the model on the default device, initialized from torch's seed (unless on ``meta``), or a
