@@ -131,13 +131,13 @@ def memory_at_peak(model, optimizer, batch, device) -> dict[str, float]:
         if not str(event.extra_fields.device).startswith("cpu"):
             continue
         ptr, size = event.extra_fields.ptr, event.extra_fields.alloc_size
+        if ptr in live:  # a free of this block, or (its free unrecorded, as bench's allocation_delta says) a new one
+            freed, phase = live.pop(ptr)
+            by_phase[phase] -= freed
         if size > 0:
             phase = next((name for start, end, name in windows if start <= event.start_time_ns <= end), "optimizer")
             live[ptr] = (size, phase)
             by_phase[phase] += size
-        elif ptr in live:
-            freed, phase = live.pop(ptr)
-            by_phase[phase] -= freed
         if sum(by_phase.values()) > peak:
             peak, at_peak = sum(by_phase.values()), {**by_phase, "peak in": next(
                 (name for start, end, name in windows if start <= event.start_time_ns <= end), "optimizer")}

@@ -54,10 +54,11 @@ def read_profile(prof, backend: str, world: int) -> dict:
 
 def allocation_delta(live: dict[int, int], ptr: int, size: int) -> int:
     """Bytes a profiler allocation event adds to what this profile allocated and still holds (frees of earlier
-    blocks count nothing; the event's ``total_allocated`` drifts between profiles)."""
+    blocks count nothing; the event's ``total_allocated`` drifts between profiles). A block allocated at an address
+    still held replaces it: its free went unrecorded (a block freed on another thread, such as gloo's)."""
     if size > 0:
-        live[ptr] = size
-        return size
+        replaced, live[ptr] = live.get(ptr, 0), size
+        return size - replaced
     return -live.pop(ptr, 0)
 
 
