@@ -16,6 +16,7 @@ from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import checkpoint_hugging_face_layers_fully
 from simplefsdp.runtime.agreed_profile import agreed_profile
 from simplefsdp.runtime.block_regions import block_regions_refusal, distinct_blocks
+from simplefsdp.runtime.compiled_call import set_compiled_call
 from simplefsdp.runtime.hugging_face import refuse_saving_shards
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import check_mesh, data_parallel_groups, default_mesh
@@ -221,7 +222,6 @@ def compile_sharded(
 def plan_per_block_where_first_inputs_differ(model: nn.Module, overlap: OverlapPasses) -> None:
     """At ``model``'s first call, before anything compiles, plan ``"block"`` buckets where the ranks' input shapes
     differ: "auto" buckets, priced on each rank's shapes, could differ between ranks."""
-    from simplefsdp.runtime.compiled_call import set_compiled_call
     compiled = model._compiled_call_impl
 
     def first_call(*args: Any, **kwargs: Any) -> Any:

@@ -20,6 +20,7 @@ from torch.fx.experimental.symbolic_shapes import has_static_value
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from simplefsdp.runtime.compiled_call import set_compiled_call
 from simplefsdp.runtime.replicate_compute import ReplicateComputation
 
 
@@ -295,7 +296,6 @@ def whole_graph_where_regions_fail(model: nn.Module, uninstall: Callable[[], Non
     """Make a call of ``model`` (compiled with regions by default) whose compile fails in Dynamo, AOTAutograd or
     Inductor ``uninstall`` the regions, ``compile_whole_graph`` and run that, saying so once. Compiles fail alike on
     every rank (the same graph, the same torch), so every rank steps back at the same call."""
-    from simplefsdp.runtime.compiled_call import set_compiled_call
     compiled = model._compiled_call_impl
 
     def call(*args, **kwargs):

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode
 
+from simplefsdp.runtime.compiled_call import set_compiled_call
 from simplefsdp.runtime.quantize import materialize_error_buffers
 
 RANDOM_FILLS = {
@@ -45,7 +46,6 @@ def refuse_calls_until_materialized(model: nn.Module) -> None:
     """Make a call of the compiled ``model`` (sharded on ``meta``) raise while a parameter or buffer is still on
     ``meta``, before Dynamo traces and before any collective; once ``materialize_sharded`` has filled it, calls run
     the compiled call as it was. Without it, Inductor failed about 40 s into the first call ("meta and cpu!")."""
-    from simplefsdp.runtime.compiled_call import set_compiled_call
     compiled = model._compiled_call_impl
 
     def first_call(*args, **kwargs):
