@@ -12,12 +12,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from simplefsdp.bench.contenders import CONTENDERS
 from simplefsdp.bench.measure import build, step_batch
 from simplefsdp.cli import build_parser
-from simplefsdp.data import load_tokens
+from simplefsdp.models.workload import load_workload, micro_batches
 
 GiB = 2 ** 30
 
@@ -40,14 +39,13 @@ def main() -> None:
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     args = build_parser().parse_args(["bench", *sys.argv[1:]])
-    model, optimizer = build(next(c for c in CONTENDERS if c.name == "simplefsdp"), args)
-    tokens = load_tokens(None, args.seed)
+    workload = load_workload(args.model, args.layers)
+    model, optimizer = build(next(c for c in CONTENDERS if c.name == "simplefsdp"), args, workload)
+    tokens = workload.tokens(model, None, args.seed)
     for step in (1, 2, 3):
-        batch = step_batch(args, tokens, step)
+        (inputs, target), = micro_batches(step_batch(args, workload, tokens, step), 1, "cuda")
         print(f"step {step}")
-        logits = phase("forward", lambda: model(batch[:, :-1]))
-        loss = phase("loss", lambda: F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()))
-        del logits
+        loss = phase("forward", lambda: model(*inputs, target))  # bench's module: the loss is in the forward
         phase("backward", loss.backward)
         phase("optimizer", optimizer.step)
         phase("zero_grad", optimizer.zero_grad)
