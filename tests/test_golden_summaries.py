@@ -66,11 +66,11 @@ backward: 6 bucket(s), 2 block(s) layers.0 .. layers.1
 reorder plan
 forward: 3 prefetch(es), 0 sunk wait(s)
   issue all_gather_into_tensor_out after wait_tensor (before embedding)
-  issue all_gather_into_tensor_out_1 after wait_tensor_21 (before invoke_subgraph_4)
-  issue all_gather_into_tensor_out_2 after wait_tensor_22 (before invoke_subgraph_6)
+  issue all_gather_into_tensor_out_1 after all_gather_copy_out (before invoke_subgraph_4)
+  issue all_gather_into_tensor_out_2 after all_gather_copy_out_1 (before invoke_subgraph_6)
 backward: 2 prefetch(es), 3 sunk wait(s)
   issue all_gather_into_tensor_out after the graph inputs (before mm_1)
-  issue all_gather_into_tensor_out_1 after wait_tensor_42 (before invoke_subgraph_7)
+  issue all_gather_into_tensor_out_1 after all_gather_copy_out (before invoke_subgraph_7)
   sink wait_tensor to before reduce_scatter_tensor_22
   sink wait_tensor_43 to before reduce_scatter_tensor_23
   sink wait_tensor_45 to before reduce_scatter_tensor_20
@@ -234,11 +234,11 @@ backward: 9 bucket(s), 2 block(s) layers.0 .. layers.1
 reorder plan
 forward: 3 prefetch(es), 0 sunk wait(s)
   issue all_gather_into_tensor_out after wait_tensor (before embedding)
-  issue all_gather_into_tensor_out_1 after wait_tensor_21 (before invoke_subgraph_4)
-  issue all_gather_into_tensor_out_2 after wait_tensor_22 (before invoke_subgraph_6)
+  issue all_gather_into_tensor_out_1 after all_gather_copy_out (before invoke_subgraph_4)
+  issue all_gather_into_tensor_out_2 after all_gather_copy_out_1 (before invoke_subgraph_6)
 backward: 2 prefetch(es), 2 sunk wait(s)
   issue all_gather_into_tensor_out after the graph inputs (before mm_1)
-  issue all_gather_into_tensor_out_1 after wait_tensor_64 (before invoke_subgraph_7)
+  issue all_gather_into_tensor_out_1 after all_gather_copy_out (before invoke_subgraph_7)
   sink wait_tensor_63 to before all_reduce_22
   sink wait_tensor_68 to before all_reduce_20
 

@@ -223,9 +223,12 @@ def test_reorder_prefetches_each_bucket_behind_the_previous(resharded):
     bucketed = read_schedule(forward, "forward")
     all_gathers = [n.name for n in bucketed.collectives() if n.collective.kind == "all_gather"]
     waits = {n.waits_for: n.name for n in bucketed.nodes if n.kind == "wait"}
+    # issued once the previous bucket is copied out of its buffer (a single parameter's: once waited for)
+    copied_out = {n.inputs[0]: n.name for n in bucketed.nodes if n.op.startswith("simplefsdp.all_gather_copy_out")}
     plan = plan_reorder(bucketed, prefetch=1)
     assert [(p.collective, p.after) for p in plan.prefetches if p.after] == [
-        (later, waits[earlier]) for earlier, later in zip(all_gathers, all_gathers[1:])]
+        (later, copied_out.get(waits[earlier], waits[earlier])) for earlier, later in zip(all_gathers, all_gathers[1:])]
+    assert set(copied_out.values()) & {p.after for p in plan.prefetches}
     # Only the first all-gather may be issued at the start of the graph, before any compute.
     assert {p.collective for p in plan.prefetches if p.after is None} <= {all_gathers[0]}
     two_ahead = plan_reorder(bucketed, prefetch=2)
@@ -313,6 +316,10 @@ def test_generated_code_prefetches_each_layer_and_other_models_are_unaffected(wo
     # Bucket k+1 (layer k, then the tail) is issued before the first matmul of bucket k (layer k-1).
     for layer in range(1, LAYERS + 1):
         assert gathers[layer + 1] < first_matmul[layer - 1], (layer, events)
+    # Each bucket's buffer is allocated (copy-in) only once the previous bucket is copied out of its own: one buffer
+    # in flight, as FSDP2's.
+    copies = re.findall(r"simplefsdp\.all_gather_copy_(in|out)\.default\(", forward_code)
+    assert len(copies) >= 2 * LAYERS and copies == ["in", "out"] * (len(copies) // 2), copies
     # How many collectives the buckets leave is pinned once, in test_block_buckets_rewrite_the_graphs.
     # The second model compiled in the same process keeps one all-gather per parameter.
     assert len(re.findall(r"all_gather_into_tensor\.default\(", other_code)) == 4

@@ -1,8 +1,10 @@
 """Reordering for overlap: prefetch all-gathers, sink waits, and pin the order for Inductor.
 
 Plan (a pure function of a ``Schedule``): all-gathers in program order are buckets ``0..n-1`` (one per merged
-bucket, or per parameter when unbucketed). All-gather ``i + prefetch`` is issued right after the wait of all-gather
-``i``, before bucket ``i``'s compute, and the first ``prefetch`` all-gathers at the start of the graph, before any
+bucket, or per parameter when unbucketed). All-gather ``i + prefetch`` is issued right after the copy-out of
+all-gather ``i`` (its wait and the nodes that read only it), before bucket ``i``'s compute, so bucket ``i``'s gathered
+buffer is freed before bucket ``i + prefetch``'s is allocated (FSDP2's order: one gathered buffer less at the
+peak); the first ``prefetch`` all-gathers at the start of the graph, before any
 compute (in the backward the output layer's re-gather then hides behind its weight-gradient matmul, which does not
 need it). In the backward the re-gathers already run in reverse block order, so the same rule prefetches them in
 reverse. Reduce-scatters stay where the bucketing put them (as soon as their gradients exist). Every wait, with its
@@ -72,10 +74,10 @@ def plan_reorder(schedule: Schedule, prefetch: int = 1) -> ReorderPlan:
         if anchor is not None and position[first.name] > position[anchor]:
             prefetches.append(Prefetch(first.name, None, anchor))
     for earlier, later in zip(all_gathers, all_gathers[prefetch:] if prefetch else []):
-        wait, start = waits[earlier.name], sinks[earlier.name].before
-        if position[later.name] > position[wait.name]:
+        copied_out, start = _copy_out(schedule, sinks[earlier.name]), sinks[earlier.name].before
+        if position[later.name] > position[copied_out]:
             anchor = _first_compute(schedule.nodes[position[start]:]) or start
-            prefetches.append(Prefetch(later.name, wait.name, anchor))
+            prefetches.append(Prefetch(later.name, copied_out, anchor))
     return ReorderPlan(schedule.phase, tuple(prefetches), tuple(s for s in sinks.values() if s.moves(position)))
 
 
@@ -97,6 +99,12 @@ def _sink(schedule: Schedule, wait: ScheduleNode, collectives: list[ScheduleNode
                  if c.collective.kind == kind and position[c.name] > position[wait.name]]
         limit = min([limit, *later])
     return Sink(tuple(sorted(chain, key=position.__getitem__)), schedule.nodes[limit].name)
+
+
+def _copy_out(schedule: Schedule, sink: Sink) -> str:
+    """The last node of a wait's copy-out that is not a view of another (the copy out of a bucket's buffer), or the
+    wait: after it the gathered buffer is no longer needed."""
+    return next((name for name in reversed(sink.nodes) if schedule.node(name).alias_of is None), sink.nodes[0])
 
 
 def _first_compute(nodes: list[ScheduleNode], skip: set[str] = frozenset()) -> str | None:
