@@ -45,9 +45,9 @@ def test_fully_shard_summary(fully_shard):
     assert_expected_inline(fully_shard.summary(), """\
 debug, fully_shard, world 8, h100
 stage       collectives  predicted step  exposed comm.  peak memory
-traced               60        1.873 ms       1.022 ms   783.83 KiB
-bucketed             10        974.2 us       172.3 us   839.73 KiB
-reordered            10        851.3 us        49.4 us   944.33 KiB
+traced               51        1.702 ms       869.1 us   880.08 KiB
+bucketed              9        952.8 us       155.1 us   896.45 KiB
+reordered             9        847.2 us        49.4 us     1.02 MiB
 
 bucket plan
 forward: 4 bucket(s), 2 block(s) layers.0 .. layers.1
@@ -55,9 +55,8 @@ forward: 4 bucket(s), 2 block(s) layers.0 .. layers.1
   all_gather layers.0: 9 collective(s) [layers.0]
   all_gather layers.1: 9 collective(s) [layers.1]
   all_gather norm+output: 2 collective(s) [norm, output]
-backward: 6 bucket(s), 2 block(s) layers.0 .. layers.1
+backward: 5 bucket(s), 2 block(s) layers.0 .. layers.1
   reduce_scatter tail: 2 collective(s) [output, norm]
-  all_gather layers.1: 9 collective(s) [layers.1]
   reduce_scatter layers.1: 9 collective(s) [layers.1]
   all_gather layers.0: 9 collective(s) [layers.0]
   reduce_scatter layers.0: 9 collective(s) [layers.0]
@@ -68,31 +67,29 @@ forward: 3 prefetch(es), 0 sunk wait(s)
   issue all_gather_into_tensor_out after wait_tensor (before embedding)
   issue all_gather_into_tensor_out_1 after all_gather_copy_out (before invoke_subgraph_4)
   issue all_gather_into_tensor_out_2 after all_gather_copy_out_1 (before invoke_subgraph_6)
-backward: 2 prefetch(es), 3 sunk wait(s)
+backward: 1 prefetch(es), 3 sunk wait(s)
   issue all_gather_into_tensor_out after the graph inputs (before mm_1)
-  issue all_gather_into_tensor_out_1 after all_gather_copy_out (before invoke_subgraph_7)
   sink wait_tensor to before reduce_scatter_tensor_22
-  sink wait_tensor_43 to before reduce_scatter_tensor_23
-  sink wait_tensor_45 to before reduce_scatter_tensor_20
+  sink wait_tensor_42 to before reduce_scatter_tensor_23
+  sink wait_tensor_44 to before reduce_scatter_tensor_20
 
 reordered graphs (what runs)
-predicted step 851.3 us: compute 801.9 us, communication 172.3 us, exposed 49.4 us, overlap 71.3%, lower bound 801.9 us
-peak memory per rank 944.33 KiB at backward:all_gather_into_tensor_out: sharded_params 64.16 KiB, unsharded_params 96.25 KiB, gradients 0 B, comm_buffers 0 B, activations 783.92 KiB
+predicted step 847.2 us: compute 797.7 us, communication 155.1 us, exposed 49.4 us, overlap 68.1%, lower bound 797.7 us
+peak memory per rank 1.02 MiB at backward:all_gather_into_tensor_out: sharded_params 64.16 KiB, unsharded_params 96.25 KiB, gradients 0 B, comm_buffers 0 B, activations 880.17 KiB
 FLOPs per rank per step 1.028e+08
-forward region partitioned_fw_subgraph_1_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
-backward region partitioned_bw_subgraph_1_0 (in backward.py): the compute of 2 block(s), layers.1 to layers.0
+forward region partitioned_fw_subgraph_0_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
+backward region partitioned_bw_subgraph_0_0 (in backward.py): the compute of 2 block(s), layers.1 to layers.0
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  forward   all_gather      f0      tok_embeddings                        8  bfloat16    32.00 KiB     17.1 us  no, stalls 17.1 us
   1  forward   all_gather      f1      layers.0                              8  bfloat16    96.25 KiB     17.2 us  no, stalls 15.2 us
   2  forward   all_gather      f2      layers.1                              8  bfloat16    96.25 KiB     17.2 us  yes
   3  forward   all_gather      f3      norm                                  8  bfloat16    32.12 KiB     17.1 us  yes
-  4  backward  all_gather      b0      layers.1                              8  bfloat16    96.25 KiB     17.2 us  yes
+  4  backward  all_gather      b0      layers.0                              8  bfloat16    96.25 KiB     17.2 us  yes
   5  backward  reduce_scatter  b1      output                                8  float32     64.25 KiB     17.2 us  yes
-  6  backward  all_gather      b2      layers.0                              8  bfloat16    96.25 KiB     17.2 us  yes
-  7  backward  reduce_scatter  b3      layers.1                              8  float32    192.50 KiB     17.5 us  yes
-  8  backward  reduce_scatter  b4      layers.0                              8  float32    192.50 KiB     17.5 us  yes
-  9  backward  reduce_scatter  b5      tok_embeddings                        8  float32     64.00 KiB     17.2 us  no, stalls 17.2 us
+  6  backward  reduce_scatter  b2      layers.1                              8  float32    192.50 KiB     17.5 us  yes
+  7  backward  reduce_scatter  b3      layers.0                              8  float32    192.50 KiB     17.5 us  yes
+  8  backward  reduce_scatter  b4      tok_embeddings                        8  float32     64.00 KiB     17.2 us  no, stalls 17.2 us
 """)
 
 
@@ -101,11 +98,11 @@ def test_fully_shard_traced_graphs(fully_shard):
     summary = text_summary(fully_shard.title, traced.schedules, traced.prediction, fully_shard.hardware)
     assert_expected_inline(summary, """\
 debug, fully_shard, world 8, h100
-predicted step 1.873 ms: compute 851.1 us, communication 1.022 ms, exposed 1.022 ms, overlap 0.0%, lower bound 1.022 ms
-peak memory per rank 783.83 KiB at backward:mm_1: sharded_params 64.16 KiB, unsharded_params 32.12 KiB, gradients 0 B, comm_buffers 0 B, activations 687.55 KiB
+predicted step 1.702 ms: compute 833.1 us, communication 869.1 us, exposed 869.1 us, overlap 0.0%, lower bound 869.1 us
+peak memory per rank 880.08 KiB at backward:mm_1: sharded_params 64.16 KiB, unsharded_params 128.38 KiB, gradients 0 B, comm_buffers 0 B, activations 687.55 KiB
 FLOPs per rank per step 1.028e+08
-forward region partitioned_fw_subgraph_1_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
-backward region partitioned_bw_subgraph_1_0 (in backward.py): the compute of 2 block(s), layers.1 to layers.0
+forward region partitioned_fw_subgraph_0_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
+backward region partitioned_bw_subgraph_0_0 (in backward.py): the compute of 2 block(s), layers.1 to layers.0
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  forward   all_gather      f0      tok_embeddings                        8  bfloat16    32.00 KiB     17.1 us  no, stalls 17.1 us
@@ -131,43 +128,34 @@ backward region partitioned_bw_subgraph_1_0 (in backward.py): the compute of 2 b
  20  forward   all_gather      f20     output                                8  bfloat16    32.00 KiB     17.1 us  no, stalls 17.1 us
  21  backward  reduce_scatter  b0      output                                8  float32     64.00 KiB     17.2 us  no, stalls 17.2 us
  22  backward  reduce_scatter  b1      norm                                  8  float32         256 B     17.0 us  no, stalls 17.0 us
- 23  backward  all_gather      b2      layers.1                              8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
- 24  backward  all_gather      b3      layers.1                              8  bfloat16     8.00 KiB     17.0 us  no, stalls 17.0 us
- 25  backward  all_gather      b4      layers.1                              8  bfloat16     4.00 KiB     17.0 us  no, stalls 17.0 us
- 26  backward  all_gather      b5      layers.1                              8  bfloat16     4.00 KiB     17.0 us  no, stalls 17.0 us
- 27  backward  all_gather      b6      layers.1                              8  bfloat16     8.00 KiB     17.0 us  no, stalls 17.0 us
- 28  backward  all_gather      b7      layers.1                              8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
- 29  backward  all_gather      b8      layers.1                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
- 30  backward  all_gather      b9      layers.1                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
- 31  backward  all_gather      b10     layers.1                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
- 32  backward  reduce_scatter  b11     layers.1                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
- 33  backward  reduce_scatter  b12     layers.1                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
- 34  backward  reduce_scatter  b13     layers.1                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
- 35  backward  reduce_scatter  b14     layers.1                              8  float32         256 B     17.0 us  no, stalls 17.0 us
- 36  backward  reduce_scatter  b15     layers.1                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
- 37  backward  reduce_scatter  b16     layers.1                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
- 38  backward  reduce_scatter  b17     layers.1                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
- 39  backward  reduce_scatter  b18     layers.1                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
- 40  backward  reduce_scatter  b19     layers.1                              8  float32         256 B     17.0 us  no, stalls 17.0 us
- 41  backward  all_gather      b20     layers.0                              8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
- 42  backward  all_gather      b21     layers.0                              8  bfloat16     8.00 KiB     17.0 us  no, stalls 17.0 us
- 43  backward  all_gather      b22     layers.0                              8  bfloat16     4.00 KiB     17.0 us  no, stalls 17.0 us
- 44  backward  all_gather      b23     layers.0                              8  bfloat16     4.00 KiB     17.0 us  no, stalls 17.0 us
- 45  backward  all_gather      b24     layers.0                              8  bfloat16     8.00 KiB     17.0 us  no, stalls 17.0 us
- 46  backward  all_gather      b25     layers.0                              8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
- 47  backward  all_gather      b26     layers.0                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
- 48  backward  all_gather      b27     layers.0                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
- 49  backward  all_gather      b28     layers.0                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
- 50  backward  reduce_scatter  b29     layers.0                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
- 51  backward  reduce_scatter  b30     layers.0                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
- 52  backward  reduce_scatter  b31     layers.0                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
- 53  backward  reduce_scatter  b32     layers.0                              8  float32         256 B     17.0 us  no, stalls 17.0 us
- 54  backward  reduce_scatter  b33     layers.0                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
- 55  backward  reduce_scatter  b34     layers.0                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
- 56  backward  reduce_scatter  b35     layers.0                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
- 57  backward  reduce_scatter  b36     layers.0                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
- 58  backward  reduce_scatter  b37     layers.0                              8  float32         256 B     17.0 us  no, stalls 17.0 us
- 59  backward  reduce_scatter  b38     tok_embeddings                        8  float32     64.00 KiB     17.2 us  no, stalls 17.2 us
+ 23  backward  reduce_scatter  b2      layers.1                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
+ 24  backward  reduce_scatter  b3      layers.1                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
+ 25  backward  reduce_scatter  b4      layers.1                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
+ 26  backward  reduce_scatter  b5      layers.1                              8  float32         256 B     17.0 us  no, stalls 17.0 us
+ 27  backward  reduce_scatter  b6      layers.1                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
+ 28  backward  reduce_scatter  b7      layers.1                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
+ 29  backward  reduce_scatter  b8      layers.1                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
+ 30  backward  reduce_scatter  b9      layers.1                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
+ 31  backward  reduce_scatter  b10     layers.1                              8  float32         256 B     17.0 us  no, stalls 17.0 us
+ 32  backward  all_gather      b11     layers.0                              8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
+ 33  backward  all_gather      b12     layers.0                              8  bfloat16     8.00 KiB     17.0 us  no, stalls 17.0 us
+ 34  backward  all_gather      b13     layers.0                              8  bfloat16     4.00 KiB     17.0 us  no, stalls 17.0 us
+ 35  backward  all_gather      b14     layers.0                              8  bfloat16     4.00 KiB     17.0 us  no, stalls 17.0 us
+ 36  backward  all_gather      b15     layers.0                              8  bfloat16     8.00 KiB     17.0 us  no, stalls 17.0 us
+ 37  backward  all_gather      b16     layers.0                              8  bfloat16        128 B     17.0 us  no, stalls 17.0 us
+ 38  backward  all_gather      b17     layers.0                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
+ 39  backward  all_gather      b18     layers.0                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
+ 40  backward  all_gather      b19     layers.0                              8  bfloat16    24.00 KiB     17.1 us  no, stalls 17.1 us
+ 41  backward  reduce_scatter  b20     layers.0                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
+ 42  backward  reduce_scatter  b21     layers.0                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
+ 43  backward  reduce_scatter  b22     layers.0                              8  float32     48.00 KiB     17.1 us  no, stalls 17.1 us
+ 44  backward  reduce_scatter  b23     layers.0                              8  float32         256 B     17.0 us  no, stalls 17.0 us
+ 45  backward  reduce_scatter  b24     layers.0                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
+ 46  backward  reduce_scatter  b25     layers.0                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
+ 47  backward  reduce_scatter  b26     layers.0                              8  float32      8.00 KiB     17.0 us  no, stalls 17.0 us
+ 48  backward  reduce_scatter  b27     layers.0                              8  float32     16.00 KiB     17.0 us  no, stalls 17.0 us
+ 49  backward  reduce_scatter  b28     layers.0                              8  float32         256 B     17.0 us  no, stalls 17.0 us
+ 50  backward  reduce_scatter  b29     tok_embeddings                        8  float32     64.00 KiB     17.2 us  no, stalls 17.2 us
 """)
 
 
@@ -210,9 +198,9 @@ def test_hybrid_shard_summary():
     assert_expected_inline(debug_report("hybrid_shard", H100_4_PER_NODE).summary(), """\
 debug, hybrid_shard, world 8, h100-4-per-node
 stage       collectives  predicted step  exposed comm.  peak memory
-traced               81        2.014 ms       1.163 ms   847.98 KiB
-bucketed             13        994.8 us       188.8 us   911.92 KiB
-reordered            13        901.7 us        95.7 us  1008.48 KiB
+traced               72        1.879 ms       1.046 ms   944.23 KiB
+bucketed             12        977.5 us       175.6 us   960.61 KiB
+reordered            12        897.5 us        95.7 us     1.08 MiB
 
 bucket plan
 forward: 4 bucket(s), 2 block(s) layers.0 .. layers.1
@@ -220,10 +208,9 @@ forward: 4 bucket(s), 2 block(s) layers.0 .. layers.1
   all_gather layers.0: 9 collective(s) [layers.0]
   all_gather layers.1: 9 collective(s) [layers.1]
   all_gather norm+output: 2 collective(s) [norm, output]
-backward: 9 bucket(s), 2 block(s) layers.0 .. layers.1
+backward: 8 bucket(s), 2 block(s) layers.0 .. layers.1
   reduce_scatter tail: 2 collective(s) [output, norm]
   all_reduce tail+layers.1: 11 collective(s) [output, norm, layers.1]
-  all_gather layers.1: 9 collective(s) [layers.1]
   reduce_scatter layers.1: 9 collective(s) [layers.1]
   all_gather layers.0: 9 collective(s) [layers.0]
   reduce_scatter layers.0: 9 collective(s) [layers.0]
@@ -236,31 +223,29 @@ forward: 3 prefetch(es), 0 sunk wait(s)
   issue all_gather_into_tensor_out after wait_tensor (before embedding)
   issue all_gather_into_tensor_out_1 after all_gather_copy_out (before invoke_subgraph_4)
   issue all_gather_into_tensor_out_2 after all_gather_copy_out_1 (before invoke_subgraph_6)
-backward: 2 prefetch(es), 2 sunk wait(s)
+backward: 1 prefetch(es), 2 sunk wait(s)
   issue all_gather_into_tensor_out after the graph inputs (before mm_1)
-  issue all_gather_into_tensor_out_1 after all_gather_copy_out (before invoke_subgraph_7)
   sink wait_tensor_63 to before all_reduce_22
-  sink wait_tensor_68 to before all_reduce_20
+  sink wait_tensor_67 to before all_reduce_20
 
 reordered graphs (what runs)
-predicted step 901.7 us: compute 806.0 us, communication 188.8 us, exposed 95.7 us, overlap 49.3%, lower bound 806.0 us
-peak memory per rank 1008.48 KiB at backward:all_gather_into_tensor_out: sharded_params 128.31 KiB, unsharded_params 96.25 KiB, gradients 0 B, comm_buffers 0 B, activations 783.92 KiB
+predicted step 897.5 us: compute 801.9 us, communication 175.6 us, exposed 95.7 us, overlap 45.5%, lower bound 801.9 us
+peak memory per rank 1.08 MiB at backward:all_gather_into_tensor_out: sharded_params 128.31 KiB, unsharded_params 96.25 KiB, gradients 0 B, comm_buffers 0 B, activations 880.17 KiB
 FLOPs per rank per step 1.028e+08
-forward region partitioned_fw_subgraph_1_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
-backward region partitioned_bw_subgraph_1_0 (in backward.py): the compute of 2 block(s), layers.1 to layers.0
+forward region partitioned_fw_subgraph_0_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
+backward region partitioned_bw_subgraph_0_0 (in backward.py): the compute of 2 block(s), layers.1 to layers.0
 
   #  phase     kind            bucket  module                            group  dtype           bytes        time  hidden
   0  forward   all_gather      f0      tok_embeddings                        4  bfloat16    32.00 KiB     13.1 us  no, stalls 13.1 us
   1  forward   all_gather      f1      layers.0                              4  bfloat16    96.25 KiB     13.2 us  no, stalls 11.2 us
   2  forward   all_gather      f2      layers.1                              4  bfloat16    96.25 KiB     13.2 us  yes
   3  forward   all_gather      f3      norm                                  4  bfloat16    32.12 KiB     13.1 us  yes
-  4  backward  all_gather      b0      layers.1                              4  bfloat16    96.25 KiB     13.2 us  yes
+  4  backward  all_gather      b0      layers.0                              4  bfloat16    96.25 KiB     13.2 us  yes
   5  backward  reduce_scatter  b1      output                                4  float32     64.25 KiB     13.1 us  no, stalls 13.1 us
-  6  backward  all_gather      b2      layers.0                              4  bfloat16    96.25 KiB     13.2 us  yes
-  7  backward  reduce_scatter  b3      layers.1                              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
-  8  backward  all_reduce      b4      output                                2  float32     64.19 KiB     19.4 us  yes
-  9  backward  reduce_scatter  b5      layers.0                              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
- 10  backward  all_reduce      b6      layers.0                              2  float32     48.12 KiB     19.0 us  yes
- 11  backward  reduce_scatter  b7      tok_embeddings                        4  float32     64.00 KiB     13.1 us  no, stalls 13.1 us
- 12  backward  all_reduce      b8      tok_embeddings                        2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
+  6  backward  reduce_scatter  b2      layers.1                              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
+  7  backward  all_reduce      b3      output                                2  float32     64.19 KiB     19.4 us  yes
+  8  backward  reduce_scatter  b4      layers.0                              4  float32    192.50 KiB     13.4 us  no, stalls 13.4 us
+  9  backward  all_reduce      b5      layers.0                              2  float32     48.12 KiB     19.0 us  yes
+ 10  backward  reduce_scatter  b6      tok_embeddings                        4  float32     64.00 KiB     13.1 us  no, stalls 13.1 us
+ 11  backward  all_reduce      b7      tok_embeddings                        2  float32     16.00 KiB     18.3 us  no, stalls 18.3 us
 """)

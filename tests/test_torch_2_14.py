@@ -31,9 +31,11 @@ wait_tensor = torch.ops._c10d_functional.wait_tensor.default
 
 @pytest.fixture(scope="module")
 def reordered():
-    """The debug Llama's forward and backward, blocks compiled once, after our passes, on 8 fake ranks."""
+    """The debug Llama's forward and backward, blocks compiled once, after our passes, on 8 fake ranks. Three
+    layers: the backward gathers the first two again (the last keeps its gathers), so a prefetch hides behind the
+    middle block's region call."""
     torch.manual_seed(0)
-    model = build_model("debug")
+    model = build_model("debug", n_layers=3)
     with fake_world(8):
         compile_sharded(model, mesh=init_device_mesh("cpu", (8,)), compile=False, compile_blocks_once=True)
         graphs = capture_graphs(model, (torch.randint(0, 256, (2, 16)),), fused_attention=False,

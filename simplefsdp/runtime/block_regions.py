@@ -38,7 +38,11 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
         # parameter): it returns clones, which the backend drops as it inlines the region.
         return [tensor.clone() for tensor in replicate.gather_shards(*params)]
 
-    gather_region = torch.compiler.nested_compile_region(gather) if gathers_in_region else None
+    computations = {fqn: replicate.in_block(fqn, blocks) for fqn in blocks}  # the last block keeps its gathers
+    regathered = [fqn for fqn in blocks if computations[fqn] is replicate]
+    # The region holds the gathers recomputed in backward. Dynamo inlines a region called once, clones included, and
+    # the partitioner would keep those clones: a single such block gathers inline, as the block that keeps its own.
+    gather_region = torch.compiler.nested_compile_region(gather) if gathers_in_region and len(regathered) > 1 else None
     signatures, reads_of = {}, {}
     for fqn in blocks:
         block = model.get_submodule(fqn)
@@ -65,7 +69,8 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
         own_forward = None if strict else block.forward
         replaced[block] = vars(block).get("forward")
         block.forward = functools.partial(_run_block, fqn, tuple(block.modules()), [read[1:] for read in reads],
-                                          [buffer for _, buffer in buffers], replicate, gather_region,
+                                          [buffer for _, buffer in buffers], computations[fqn],
+                                          gather_region if computations[fqn] is replicate else None,
                                           regions[signature], own_forward)
 
     def uninstall() -> None:

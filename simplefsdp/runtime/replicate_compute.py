@@ -3,11 +3,12 @@ gather, cast and reduce back; tied parameters gathered once per compiled call)."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -76,6 +77,15 @@ class ReplicateComputation:
         full = param.redistribute(placements=[Replicate()] * ndim, forward_dtype=self.param_dtype,
                                   backward_dtype=self.reduce_dtype)
         return full.to_local(grad_placements=grad_placements)
+
+    def in_block(self, fqn: str, blocks: Sequence[str]) -> ReplicateComputation:
+        """The computation for the module ``fqn`` of a model whose repeated blocks are ``blocks`` (in forward order):
+        outside the blocks and in the last block the gathered parameters are kept from forward to backward, as
+        FSDP2 keeps its root's and torchtitan its last block's (the backward gathers them first)."""
+        if not self.reshard_after_forward or not blocks:
+            return self
+        inside = [block for block in blocks if fqn == block or fqn.startswith(f"{block}.")]
+        return self if inside and inside[0] != blocks[-1] else dataclasses.replace(self, reshard_after_forward=False)
 
     def compute_view(self, param: DTensor, accumulator: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
         """The gathered parameter (TP's DTensor for a TP parameter); with sync off its gradient goes to

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 import functools
 from typing import Sequence
@@ -69,12 +68,12 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
                      blocks: tuple[str, ...] = (), sharded_lookup: bool = False) -> None:
     """Replace each parameter by a DTensor parameter placed for ``mode`` (values from the mesh's first rank; a tied
     parameter stays one, a tensor-parallel one goes on the (dp, tp) mesh) and install the gathering getters. Where
-    the model has ``blocks``, the modules outside them keep their gathered parameters from forward to backward, as
-    FSDP2 keeps its root's: the output layer is the first the backward needs; an embedding's backward reads no weight.
+    the model has ``blocks``, the modules outside them and the last block keep their gathered parameters from forward
+    to backward (``ReplicateComputation.in_block``): the backward needs the output layer and the last block first; an
+    embedding's backward reads no weight.
     With ``sharded_lookup``, such an embedding (not tied) looks its ids up where its rows are sharded."""
     _refuse_optimizers_outside_the_sharding()
     sharded: dict[int, tuple[int, nn.Parameter, torch.Tensor, torch.Tensor | None]] = {}
-    outside_blocks = dataclasses.replace(replicate, reshard_after_forward=False) if blocks else replicate
     uses = Counter(id(param) for submodule in module.modules() for param in submodule._parameters.values())
     plain = sharded_lookup and replicate.quantize is None and replicate.tensor_parallel is None
     for prefix, submodule in module.named_modules():
@@ -96,7 +95,7 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
             keys[name], submodule._parameters[name], accumulators[name], errors[name] = sharded[id(param)]
         if accumulators:
             inside = any(prefix == block or prefix.startswith(f"{block}.") for block in blocks)
-            install_getters(submodule, keys, accumulators, errors, replicate if inside else outside_blocks)
+            install_getters(submodule, keys, accumulators, errors, replicate.in_block(prefix, blocks))
             if not inside and not tied and can_look_up_where_sharded(submodule, mode, mesh, plain):
                 install_sharded_lookup(submodule, submodule._parameters["weight"], replicate.param_dtype,
                                        replicate.sync)
