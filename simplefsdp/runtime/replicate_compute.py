@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
+from simplefsdp.passes.bucket_plan import block_of
 from simplefsdp.runtime.activation_checkpoint import checkpoint_context
 from simplefsdp.runtime.grad_sync import GradientSync, route_gradient
 from simplefsdp.runtime.quantize import Quantize, quantized_reduce, quantized_replicate
@@ -84,8 +85,8 @@ class ReplicateComputation:
         FSDP2 keeps its root's and torchtitan its last block's (the backward gathers them first)."""
         if not self.reshard_after_forward or not blocks:
             return self
-        inside = [block for block in blocks if fqn == block or fqn.startswith(f"{block}.")]
-        return self if inside and inside[0] != blocks[-1] else dataclasses.replace(self, reshard_after_forward=False)
+        block = block_of(fqn, blocks)
+        return self if block not in (None, blocks[-1]) else dataclasses.replace(self, reshard_after_forward=False)
 
     def compute_view(self, param: DTensor, accumulator: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
         """The gathered parameter (TP's DTensor for a TP parameter); with sync off its gradient goes to

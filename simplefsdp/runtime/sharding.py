@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private: as meta_init.py
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from simplefsdp.passes.bucket_plan import block_of
 from simplefsdp.runtime.grad_sync import new_accumulator
 from simplefsdp.runtime.quantize import new_error_buffer
 from simplefsdp.runtime.sharded_lookup import can_look_up_where_sharded, install_sharded_lookup
@@ -94,9 +95,9 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
                 sharded[id(param)] = (len(sharded), new_param, accumulator, error)
             keys[name], submodule._parameters[name], accumulators[name], errors[name] = sharded[id(param)]
         if accumulators:
-            inside = any(prefix == block or prefix.startswith(f"{block}.") for block in blocks)
             install_getters(submodule, keys, accumulators, errors, replicate.in_block(prefix, blocks))
-            if not inside and not tied and can_look_up_where_sharded(submodule, mode, mesh, plain):
+            outside = block_of(prefix, blocks) is None
+            if outside and not tied and can_look_up_where_sharded(submodule, mode, mesh, plain):
                 install_sharded_lookup(submodule, submodule._parameters["weight"], replicate.param_dtype,
                                        replicate.sync)
             submodule.register_load_state_dict_pre_hook(_shard_plain_tensors)
