@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -130,10 +131,11 @@ def measure(contender: str, args: argparse.Namespace, folder: Path) -> dict:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1)  # perf is sampling
     marker.with_suffix(".go").touch()
-    if ranks.wait() != 0:
-        sys.exit(f"{contender}'s ranks failed (code {ranks.returncode})")
+    ranks.wait()
     perf.send_signal(signal.SIGINT)
     perf.wait()
+    if ranks.returncode != 0:
+        sys.exit(f"{contender}'s ranks failed (code {ranks.returncode})")
     window = json.loads(marker.with_suffix(".done").read_text())
     return {"step": window["median_step"] * 1e3,
             **cpu_by_category(data, window["start"], window["end"], args.steps, args.nproc)}
@@ -174,6 +176,9 @@ def main() -> None:
     if is_launched_rank():
         rank_main(args)
         return
+    if shutil.which("perf") is None:
+        sys.exit("step_cpu.py samples the machine with Linux perf, which is not on PATH: install it (the "
+                 "linux-tools or perf package)")
     with tempfile.TemporaryDirectory() as folder:
         rows = {name: measure(name, args, Path(folder)) for name in args.only.split(",")}
     text = table(rows, args)
