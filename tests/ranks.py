@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import traceback
@@ -37,6 +39,11 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, environment:
                args: tuple) -> None:
     os.environ.clear()  # the caller's environment, not the fork server's of its start
     os.environ.update(environment)
+    # A rank killed by a signal (a crash in C++: SIGSEGV, SIGABRT from glibc's heap checks), and each rank the launcher
+    # then stops with SIGTERM, prints every thread's Python stack to the test's captured stderr: where each rank was,
+    # which the launcher's "terminated with signal" does not say.
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     apply_simulated_simdlen()
     # One intra-op thread per rank: Inductor's CPU kernels that add by atomics from several threads (the embedding's
     # backward) sum in no fixed order, and the bitwise checks compare runs. It also keeps N ranks to N threads.
