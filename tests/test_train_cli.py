@@ -7,6 +7,7 @@ checkpoints and the launcher, not Inductor, and the machine has two cores.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,11 +28,12 @@ TRAIN = ["--model", "debug", "--nproc", "2", "--no-compile", "--grad-accum", "2"
          "--seq-len", "32"]
 
 
-def train(*options: str, kill: str | None = None, step_sleep: float = 0, timeout: float = 300
+def train(*options: str, kill: str | None = None, signal: str = "SIGKILL", step_sleep: float = 0, timeout: float = 300
           ) -> subprocess.CompletedProcess:
-    """Run ``simplefsdp train`` as a separate job; ``kill`` is a SIGKILL point, ``step_sleep`` seconds are added to
-    every optimizer step (see fault_injection/)."""
-    env = dict(os.environ, SIMPLEFSDP_TEST_KILL=kill or "", SIMPLEFSDP_TEST_STEP_SLEEP=str(step_sleep))
+    """Run ``simplefsdp train`` as a separate job; ``kill`` is a point where a rank sends itself ``signal``,
+    ``step_sleep`` seconds are added to every optimizer step (see fault_injection/)."""
+    env = dict(os.environ, SIMPLEFSDP_TEST_KILL=kill or "", SIMPLEFSDP_TEST_SIGNAL=signal,
+               SIMPLEFSDP_TEST_STEP_SLEEP=str(step_sleep))
     if kill or step_sleep:
         env["PYTHONPATH"] = os.pathsep.join([str(FAULT_INJECTION), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "simplefsdp", "train", *TRAIN, *options]
@@ -79,6 +81,16 @@ def test_a_killed_rank_ends_the_job_within_60_seconds_naming_it():
     assert job.returncode != 0
     assert "rank 1 was killed by SIGKILL" in job.stderr
     assert "step    2/200" in job.stdout
+
+
+def test_a_rank_that_crashes_in_cpp_prints_where_its_python_was():
+    """A segfault or glibc's abort on a corrupted heap kills a rank with no Python traceback; the launcher's ranks
+    print their threads' Python stacks first (faulthandler), so the job's output says where the rank was."""
+    job = train("--steps", "200", kill="1:step-end:3", signal="SIGSEGV", timeout=60)
+    assert job.returncode != 0
+    assert "rank 1 was killed by SIGSEGV" in job.stderr
+    assert "Fatal Python error: Segmentation fault" in job.stderr
+    assert re.search(r'File ".*sitecustomize.py", line \d+ in _killing', job.stderr), job.stderr
 
 
 def _load_full(path: Path, tmp_path: Path) -> dict:

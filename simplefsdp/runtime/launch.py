@@ -19,11 +19,13 @@ def is_launched_rank() -> bool:
 
 def launch_local_ranks(nproc: int, module_argv: list[str], max_restarts: int = 0) -> int:
     """Run ``python -m simplefsdp <module_argv>`` on ``nproc`` local ranks like ``torchrun --standalone``, restarting
-    all of them up to ``max_restarts`` times after a failure; exit code."""
+    all of them up to ``max_restarts`` times after a failure; exit code. A rank killed by a crash in C++ (SIGSEGV,
+    SIGABRT) prints its threads' Python stacks first (``PYTHONFAULTHANDLER``)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.5,

@@ -1,7 +1,7 @@
 """Test-only fault injection, active when this folder is on PYTHONPATH of a launched job.
 
 ``SIMPLEFSDP_TEST_KILL=<rank>:<point>:<n>[:<group>]`` makes that rank (of replica group ``<group>``, when given)
-SIGKILL itself on the n-th call of the point, in the job's first run only (not after an elastic restart):
+SIGKILL itself (or send itself ``SIMPLEFSDP_TEST_SIGNAL``, such as ``SIGSEGV``) on the n-th call of the point, in the job's first run only (not after an elastic restart):
 ``step-end`` (``torch.optim.Optimizer.zero_grad``, after the optimizer stepped, any optimizer), ``checkpoint-write``
 (DCP's ``FileSystemWriter.write_data``, mid-save), ``cross-replica`` (torchft's ``Manager.allreduce``: the other
 groups' all-reduce is under way) or ``cross-replica-gather`` (torchft's gloo group's ``allgather``, DeMo's exchange).
@@ -43,7 +43,7 @@ if (len(_spec) > 2 and os.environ.get("RANK") == _spec[0] and os.environ.get("TO
         global _calls
         _calls += 1
         if _calls == int(_nth):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.Signals[os.environ.get("SIMPLEFSDP_TEST_SIGNAL") or "SIGKILL"])
         return _original(*args, **kwargs)
 
     setattr(_owner, _name, _killing)
