@@ -1,9 +1,10 @@
 """Test-only fault injection, active when this folder is on PYTHONPATH of a launched job.
 
 ``SIMPLEFSDP_TEST_KILL=<rank>:<point>:<n>[:<group>]`` makes that rank (of replica group ``<group>``, when given)
-SIGKILL itself (or send itself ``SIMPLEFSDP_TEST_SIGNAL``, such as ``SIGSEGV``) on the n-th call of the point, in the job's first run only (not after an elastic restart):
-``step-end`` (``torch.optim.Optimizer.zero_grad``, after the optimizer stepped, any optimizer), ``checkpoint-write``
-(DCP's ``FileSystemWriter.write_data``, mid-save), ``cross-replica`` (torchft's ``Manager.allreduce``: the other
+SIGKILL itself (or send itself ``SIMPLEFSDP_TEST_SIGNAL``, such as ``SIGSEGV``) on the n-th call of the point, in
+the job's first run only (not after an elastic restart): ``step-end`` (``torch.optim.Optimizer.zero_grad``, after
+the optimizer stepped, any optimizer), ``checkpoint-write`` (DCP's ``FileSystemWriter.write_data``, mid-save),
+``cross-replica`` (torchft's ``Manager.allreduce``: the other
 groups' all-reduce is under way) or ``cross-replica-gather`` (torchft's gloo group's ``allgather``, DeMo's exchange).
 ``SIMPLEFSDP_TEST_STEP_SLEEP=<seconds>`` makes every step's ``zero_grad`` that long, so that a short run outlasts a
 restart.
