@@ -209,7 +209,17 @@ def compile_sharded(
         compile_in_place(model, backend, compile_options, run_key(model, requested) if requested else None)
         if compile_blocks_once and not strict_regions and not precompile:
             from simplefsdp.runtime.block_regions import whole_graph_where_regions_fail
-            whole_graph_where_regions_fail(model, uninstall_regions, functools.partial(
+
+            def regions_keyed_by(keyed: frozenset[str]) -> Callable[[], None] | None:
+                """Regions that also differ in ``keyed``'s values, compiled, where each serves two blocks on average."""
+                if 2 * distinct_blocks(model, block_fqns, keyed) > len(block_fqns):
+                    return None
+                uninstall = install_block_regions(model, block_fqns, replicate, gathers_in_region=backend == "inductor",
+                                                  strict=False, keyed=keyed)
+                compile_in_place(model, backend, compile_options)
+                return uninstall
+
+            whole_graph_where_regions_fail(model, uninstall_regions, regions_keyed_by, functools.partial(
                 compile_in_place, model, backend, whole_graph_options), say)
         if passes and buckets == "auto" and overlap.agree_over and not precompile:
             plan_per_block_where_first_inputs_differ(model, overlap)

@@ -70,7 +70,8 @@ def _step_back_on_a_failed_region() -> dict:
     expected.sum().backward()
     model(x[rank:rank + 1].detach().requires_grad_())  # a second call runs the whole graph, and says nothing
     return {"settings": {factors: _blocks_that_differ_in_a_setting(factors, x[rank:rank + 1])
-                         for factors in ((2.0, 2.0, 2.0), (2.0, 4.0, 2.0))},"installed": regions_installed, "after": _compiles_blocks_once(model), "said": said.getvalue(),
+                         for factors in ((2.0, 2.0, 2.0), (2.0, 4.0, 2.0), (2.0, 4.0, 2.0, 4.0))},
+            "installed": regions_installed, "after": _compiles_blocks_once(model), "said": said.getvalue(),
             "output": torch.equal(output, expected[rank:rank + 1]),
             "grads": all(torch.equal(p.grad.full_tensor() * 2, q.grad)  # the ranks' mean of sums, the whole batch's sum
                          for p, q in zip(model.parameters(), reference.parameters())),
@@ -78,7 +79,7 @@ def _step_back_on_a_failed_region() -> dict:
 
 
 def _blocks_that_differ_in_a_setting(factors: tuple[float, ...], x: torch.Tensor) -> dict:
-    """Three ``IndexedBlock``s with ``factors``, compiled by default: whether they run as regions, how often Dynamo
+    """``IndexedBlock``s with ``factors``, compiled by default: whether they run as regions, how often Dynamo
     traced one, what rank 0 said, and whether the output is exactly the unsharded blocks' (products of powers of 2
     and one rounding each: exact in any kernel)."""
     torch.manual_seed(0)
@@ -137,17 +138,28 @@ def test_what_regions_cannot_run_is_the_whole_graph_by_default_and_an_error_when
 
 
 def test_blocks_that_differ_only_in_a_setting_the_compute_never_reads_are_traced_once(per_rank):
-    """Blocks alike but for a setting share one region (Hugging Face's ``layer_idx``): their compute is traced once;
-    where the compute reads a setting that differs (``factor``), the region raises as it is traced, and every rank
-    compiles the whole graph instead, naming the setting. Exact either way (see ``_blocks_that_differ_in_a_setting``).
-    From the launch of the test above."""
+    """Blocks alike but for a setting share one region (Hugging Face's ``layer_idx``): their compute is traced once.
+    Where the compute reads a setting that differs (``factor``), the region raises as it is traced; every rank then
+    compiles a region per value of the setting where each serves two blocks on average (Gemma's and gpt-oss's layers
+    alternate sliding-window and full attention), else the whole graph, naming the setting. Exact either way (see
+    ``_blocks_that_differ_in_a_setting``). From the launch of the test above."""
     for rank, result in enumerate(per_rank):
-        unread, read = result["settings"][(2.0, 2.0, 2.0)], result["settings"][(2.0, 4.0, 2.0)]
+        unread = result["settings"][(2.0, 2.0, 2.0)]
+        read_per_block, read_alternating = result["settings"][(2.0, 4.0, 2.0)], result["settings"][(2.0, 4.0, 2.0, 4.0)]
         assert unread["regions"] and unread["exact"] and unread["said"] == "", unread
         assert unread["traced"] == 2, unread  # the blocks' compute and the gathers' region, each once
-        assert not read["regions"] and read["exact"], read
+        assert not read_per_block["regions"] and read_per_block["exact"], read_per_block  # 2 values for 3 blocks
+        assert read_alternating["regions"] and read_alternating["exact"], read_alternating  # 2 values for 4 blocks
+        # the failed attempt's gathers and compute, then the gathers and a compute per value of 'factor'
+        assert read_alternating["traced"] == 5, read_alternating
         if rank == 0:
-            assert "differ in 'factor' as one region, and the compute reads 'factor'" in read["said"], read
+            assert "differ in 'factor' as one region, and the compute reads 'factor'" in read_per_block["said"], (
+                read_per_block)
+            assert read_alternating["said"].splitlines() == [
+                "simplefsdp: compile_blocks_once: the blocks differ in 'factor', which their compute reads: "
+                "compiling a region per value of it"], read_alternating
+        else:
+            assert read_alternating["said"] == "", read_alternating
 
 
 def _raised_from(error: Exception, cause: Exception) -> Exception:

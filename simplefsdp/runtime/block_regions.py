@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import re
 from typing import Callable
 
 import torch
@@ -25,9 +26,11 @@ from simplefsdp.runtime.replicate_compute import ReplicateComputation
 
 
 def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: ReplicateComputation,
-                          gathers_in_region: bool, strict: bool) -> Callable[[], None]:
+                          gathers_in_region: bool, strict: bool, keyed: frozenset[str] = frozenset()
+                          ) -> Callable[[], None]:
     """Run each of ``model``'s ``blocks`` (FQNs, sharded by ``shard_parameters``, not tensor-parallel) as gathers, then
-    one shared region per distinct block; with ``gathers_in_region`` the gathers run in a region of their own, which
+    one shared region per distinct block (unless ``strict``, blocks that differ in a setting's value share one, but
+    for the settings named in ``keyed``); with ``gathers_in_region`` the gathers run in a region of their own, which
     the backend inlines. A call that a region cannot run raises if ``strict``, and else runs the block's own forward.
     Returns a function that puts the blocks' forwards back."""
     regions: dict[tuple, dict[bool, Callable]] = {}
@@ -50,7 +53,7 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
                          for name in vars(module).get("_gather_keys", {})]
         buffers = list(block.named_buffers())
         tensors = [module._parameters[name] for _, module, name in reads_of[fqn]] + [tensor for _, tensor in buffers]
-        signatures[fqn] = ((_structure(block) if strict else _settings_named(_structure(block))),
+        signatures[fqn] = ((_structure(block) if strict else _settings_named(_structure(block), keyed)),
                            (*(f"{prefix}.{name}".lstrip(".") for prefix, _, name in reads_of[fqn]),
                             *(name for name, _ in buffers)),
                            tuple((tensor.shape, tensor.stride(), tensor.dtype) for tensor in tensors),
@@ -83,18 +86,20 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
     return uninstall
 
 
-def distinct_blocks(model: nn.Module, blocks: tuple[str, ...]) -> int:
-    """How many of ``model``'s ``blocks`` differ in structure (modules' classes, the names of their settings) or in
-    their tensors' names, shapes and dtypes: by default, each is traced as a region of its own."""
-    return len({(_settings_named(_structure(block)), tuple((name, tensor.shape, tensor.dtype) for name, tensor in
-                                                          itertools.chain(block.named_parameters(),
-                                                                          block.named_buffers())))
+def distinct_blocks(model: nn.Module, blocks: tuple[str, ...], keyed: frozenset[str] = frozenset()) -> int:
+    """How many of ``model``'s ``blocks`` differ in structure (modules' classes, the names of their settings, the
+    values of those in ``keyed``) or in their tensors' names, shapes and dtypes: by default, each is traced as a region
+    of its own."""
+    return len({(_settings_named(_structure(block), keyed),
+                 tuple((name, tensor.shape, tensor.dtype) for name, tensor in
+                       itertools.chain(block.named_parameters(), block.named_buffers())))
                 for block in map(model.get_submodule, blocks)})
 
 
-def _settings_named(structure: tuple) -> tuple:
-    """``_structure``'s tuple with each setting's name alone, not its value."""
-    return tuple((prefix, cls, tuple(key for key, _ in settings)) for prefix, cls, settings in structure)
+def _settings_named(structure: tuple, keyed: frozenset[str] = frozenset()) -> tuple:
+    """``_structure``'s tuple with each setting's name alone, not its value, but for the settings in ``keyed``."""
+    return tuple((prefix, cls, tuple((key, value) if key in keyed else key for key, value in settings))
+                 for prefix, cls, settings in structure)
 
 
 def _differing_settings(blocks: list[nn.Module]) -> dict[str, set[str]]:
@@ -155,6 +160,9 @@ def _unreadable(key: str) -> property:
                            f"reads {key!r}")
 
     return property(read)
+
+
+_READ_SETTING = r"compile_blocks_once ran blocks that differ in '(\w+)' as one region"  # ``_unreadable``'s error
 
 
 def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, name: str) -> Callable:
@@ -297,10 +305,14 @@ def block_regions_refusal(model: nn.Module, blocks: tuple[str, ...]) -> str | No
 
 
 def whole_graph_where_regions_fail(model: nn.Module, uninstall: Callable[[], None],
-                                   compile_whole_graph: Callable[[], None], say: Callable[[str], None]) -> None:
+                                   regions_keyed_by: Callable[[frozenset[str]], Callable[[], None] | None],
+                                   compile_whole_graph: Callable[[], None], say: Callable[[str], None],
+                                   keyed: frozenset[str] = frozenset()) -> None:
     """Make a call of ``model`` (compiled with regions by default) whose compile fails in Dynamo, AOTAutograd or
-    Inductor ``uninstall`` the regions, ``compile_whole_graph`` and run that, saying so once. Compiles fail alike on
-    every rank (the same graph, the same torch), so every rank steps back at the same call."""
+    Inductor ``uninstall`` the regions and run again, saying so once: with a region per value of a setting the compute
+    read as well (``regions_keyed_by`` installs and compiles them, or returns None where they would be too many), else
+    as the whole graph (``compile_whole_graph``). Compiles fail alike on every rank (the same graph, the same torch),
+    so every rank steps back at the same call."""
     compiled = model._compiled_call_impl
 
     def call(*args, **kwargs):
@@ -310,9 +322,16 @@ def whole_graph_where_regions_fail(model: nn.Module, uninstall: Callable[[], Non
             if (reason := _compiler_failure(error)) is None:
                 raise
         uninstall()
-        compile_whole_graph()
-        say(f"compile_blocks_once could not compile this model's blocks as regions ({reason[:300]}); compiling the "
-            "whole graph instead. Pass compile_blocks_once=False to skip the attempt.")
+        read = re.search(_READ_SETTING, reason)
+        if read and read[1] not in keyed and (uninstall_keyed := regions_keyed_by(keyed | {read[1]})) is not None:
+            whole_graph_where_regions_fail(model, uninstall_keyed, regions_keyed_by, compile_whole_graph, say,
+                                           keyed | {read[1]})
+            say(f"compile_blocks_once: the blocks differ in {read[1]!r}, which their compute reads: compiling a region "
+                "per value of it")
+        else:
+            compile_whole_graph()
+            say(f"compile_blocks_once could not compile this model's blocks as regions ({reason[:300]}); compiling "
+                "the whole graph instead. Pass compile_blocks_once=False to skip the attempt.")
         return model._compiled_call_impl(*args, **kwargs)
 
     set_compiled_call(model, call)
