@@ -86,15 +86,23 @@ def _mixtral(layers: int) -> nn.Module:
                                             use_cache=False))
 
 
-def _decoder_config(config_class, layers: int):
+def _decoder_config(config_class, layers: int, **options):
     return config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
+                        **options)
 
 
 def _llama(layers: int) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(_decoder_config(LlamaConfig, layers))
+
+
+def _gemma3(layers: int) -> nn.Module:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    # every sixth layer full attention, the others a sliding window of 8 of the 16 tokens; tied embedding
+    return Gemma3ForCausalLM(_decoder_config(Gemma3TextConfig, layers, head_dim=8, sliding_window=8))
 
 
 def _qwen2(layers: int) -> nn.Module:
@@ -251,6 +259,7 @@ class FewerElementsThanRanks(nn.Module):
 ZOO = {
     "llama": ZooModel(_llama, _tokens, _cross_entropy, depth=32),
     "qwen2": ZooModel(_qwen2, _tokens, _cross_entropy, depth=24),
+    "gemma3": ZooModel(_gemma3, _tokens, _cross_entropy, depth=12),
     "gpt2": ZooModel(_gpt2, _tokens, _cross_entropy, depth=12),
     "bert": ZooModel(_bert, _tokens, _cross_entropy, depth=12),
     "t5": ZooModel(_t5, _encoder_decoder_tokens, _cross_entropy, depth=8, stacks=2),
