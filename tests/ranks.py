@@ -7,6 +7,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -15,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 
 def _free_port() -> int:
@@ -55,17 +57,17 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, environment:
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:
         outcome = ("ok", fn(*args))
-        dist.barrier()  # no rank tears the group down while another still communicates
-    except BaseException as error:  # reported to the parent, which re-raises
+        dist.barrier()  # no rank leaves while another still communicates
+    except BaseException:  # reported to the parent, which re-raises
         outcome = ("error", f"rank {rank}: {traceback.format_exc()}")
-        raise error
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as file:
-            pickle.dump(outcome, file)
-        dist.destroy_process_group()
-    # Skip C++ static destructors, which can abort at exit with PyTorch 2.13 and gloo
-    # ("terminate called without an active exception") after the rank's work is done.
-    os._exit(0)
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as file:
+        pickle.dump(outcome, file)
+    # Leave without tearing gloo down or running C++ static destructors: with PyTorch 2.13 either aborted a rank now
+    # and then (SIGABRT, "terminate called without an active exception") after its result was written, which failed
+    # a launch whose work was done (the zoo's, in CI on 2026-12-03) and hid what each rank had reported.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if outcome[0] == "ok" else 1)
 
 
 # Ranks are forked from a server that imported these once (about 7 s of a rank's start-up on 2 cores, which every
@@ -80,25 +82,28 @@ def run_on_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:
     Any rank's exception is re-raised here with that rank's traceback.
     """
     with tempfile.TemporaryDirectory() as out_dir:
+        stopped = None
         try:
             mp.start_processes(
                 _rank_main, args=(world_size, _free_port(), out_dir, dict(os.environ), fn, args), nprocs=world_size,
                 start_method="forkserver"
             )
-        except mp.ProcessRaisedException:
-            pass  # the rank's own traceback is in its result file
-        outcomes = [_outcome(out_dir, rank) for rank in range(world_size)]
+        except ProcessException as failure:  # a rank that failed: its own traceback is in its result file
+            stopped = failure
+        outcomes = [_outcome(out_dir, rank, stopped) for rank in range(world_size)]
     errors = [detail for status, detail in outcomes if status == "error"]
     if errors:
         raise RuntimeError("\n".join(errors))
     return [detail for _, detail in outcomes]
 
 
-def _outcome(out_dir: str, rank: int) -> tuple[str, Any]:
-    """What ``rank`` reported; a rank stopped before reporting (the launcher ends all ranks once one fails)
-    is an error that says so, so the failing rank's own traceback is what the test shows."""
+def _outcome(out_dir: str, rank: int, stopped: ProcessException | None) -> tuple[str, Any]:
+    """What ``rank`` reported; a rank stopped before reporting is an error that says how: killed by a signal (a crash
+    in C++; its threads' Python stacks are in the captured stderr) or by the launcher once another rank failed."""
     path = os.path.join(out_dir, f"rank{rank}.pkl")
-    if not os.path.exists(path):
-        return "error", f"rank {rank}: stopped before it finished (another rank failed first)"
-    with open(path, "rb") as file:
-        return pickle.load(file)
+    if os.path.exists(path):
+        with open(path, "rb") as file:
+            return pickle.load(file)
+    if stopped is not None and stopped.error_index == rank:
+        return "error", f"rank {rank}: {stopped}, before it reported"
+    return "error", f"rank {rank}: stopped before it finished (another rank failed first)"
