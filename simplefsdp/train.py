@@ -31,7 +31,7 @@ from simplefsdp.runtime.checkpoint import latest_checkpoint, load_checkpoint, sa
 from simplefsdp.runtime.clip_grad import clip_grad_norm_
 from simplefsdp.runtime.fault_tolerance import INSTALL, ReplicaGroup
 from simplefsdp.runtime.grad_sync import reduces_every_micro_batch
-from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks, launch_replica_groups
+from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks, launch_replica_groups, leave_rank
 from simplefsdp.runtime.mesh import check_tensor_parallel_world, device_type, init_distributed
 from simplefsdp.runtime.meta_init import materialize_sharded
 from simplefsdp.runtime.mixed_precision import dtype_named, mixed_precision_option
@@ -171,11 +171,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             return launch_replica_groups(args.replica_groups, args.nproc, argv, args.lighthouse)
         return launch_local_ranks(args.nproc, argv, args.max_restarts if args.fault_tolerant else 0)
     train(args)
-    # A finished rank leaves without running C++ static destructors: with PyTorch 2.13 and gloo these can abort at
-    # exit ("terminate called without an active exception"), which would turn a completed run into a failed job.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_rank()
 
 
 def build(args: argparse.Namespace, workload: Workload) -> torch.nn.Module:

@@ -13,7 +13,7 @@ from simplefsdp import plots
 from simplefsdp.bench.measure import measure
 from simplefsdp.bench.report import report
 from simplefsdp.models.workload import load_workload
-from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks
+from simplefsdp.runtime.launch import is_launched_rank, launch_local_ranks, leave_rank
 
 
 def _fail(message: str) -> None:
@@ -41,11 +41,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if is_launched_rank():
         results = measure(args)
         if results is None:
-            return 0
+            leave_rank()
         if args.rank_output:
             Path(args.rank_output).write_text(json.dumps(results))
-            return 0
-        return report({**results, "command": command}, args.json, args.plot)
+            leave_rank()
+        leave_rank(report({**results, "command": command}, args.json, args.plot))
     with tempfile.TemporaryDirectory() as scratch:
         output = Path(scratch) / "results.json"
         code = launch_local_ranks(args.nproc, [*argv, "--rank-output", str(output)])

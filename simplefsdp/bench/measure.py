@@ -213,7 +213,7 @@ def measure(args: argparse.Namespace) -> dict | None:
                 _failed(row, error)
             dist.barrier()
         say(f"[{index}/{len(selected)}] {contender.name}: {_progress(row)}", flush=True)
-    dist.destroy_process_group()
+    dist.barrier()  # no rank leaves (bench/__init__.py: leave_rank) while another still communicates
     if rank:
         return None
     return {

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from simplefsdp.ir.hardware import MEASURING_RANKS, HardwareProfile
+from simplefsdp.runtime.launch import leave_rank
 
 
 def measure_cpu_profile_in_group() -> HardwareProfile:
@@ -48,11 +49,7 @@ def _measuring_rank(folder: str, rank: int) -> None:
     if rank == 0:
         Path(folder, "profile.json").write_text(profile.to_json())
     dist.barrier()  # no rank leaves while the other still uses gloo
-    # Leave without tearing gloo down: its teardown at exit aborted a rank now and then
-    # ("terminate called without an active exception"), after the profile was written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_rank()
 
 
 def _median_seconds(fn, repeats: int = 7) -> float:

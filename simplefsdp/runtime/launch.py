@@ -10,11 +10,21 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import NoReturn
 
 
 def is_launched_rank() -> bool:
     """True inside a process started by ``torchrun`` / ``torch.distributed.run``."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def leave_rank(code: int = 0) -> NoReturn:
+    """End this rank with ``code``, its output flushed, without gloo's teardown or C++ static destructors: with
+    PyTorch 2.13 either aborted a finished rank now and then ("terminate called without an active exception"), which
+    turned a completed run into a failed job. Call it after a barrier, so no rank leaves while another communicates."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def launch_local_ranks(nproc: int, module_argv: list[str], max_restarts: int = 0) -> int:
