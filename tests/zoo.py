@@ -87,9 +87,9 @@ def _mixtral(layers: int) -> nn.Module:
 
 
 def _decoder_config(config_class, layers: int, **options):
-    return config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
-                        **options)
+    return config_class(**{**dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                  use_cache=False), **options})
 
 
 def _llama(layers: int) -> nn.Module:
@@ -103,6 +103,18 @@ def _gemma3(layers: int) -> nn.Module:
 
     # every sixth layer full attention, the others a sliding window of 8 of the 16 tokens; tied embedding
     return Gemma3ForCausalLM(_decoder_config(Gemma3TextConfig, layers, head_dim=8, sliding_window=8))
+
+
+def _deepseek_v3(layers: int) -> nn.Module:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    # multi-head latent attention (queries and keys-values through low-rank projections, a rotary part of each head
+    # apart); the first layer's MLP dense, the others' 3 routed experts (2 a token) stacked in one parameter beside a
+    # shared expert
+    return DeepseekV3ForCausalLM(_decoder_config(
+        DeepseekV3Config, layers, num_key_value_heads=4, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, n_routed_experts=3, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=16, n_group=1, topk_group=1))
 
 
 def _qwen2(layers: int) -> nn.Module:
@@ -269,6 +281,7 @@ ZOO = {
     "batchnorm_sequential": ZooModel(_batchnorm_sequential, _features((3, 8, 8), 3), _cross_entropy,
                                      reference="ddp"),
     "mixtral": ZooModel(_mixtral, _tokens, _cross_entropy, depth=8),
+    "deepseek_v3": ZooModel(_deepseek_v3, _tokens, _cross_entropy, depth=8),
     "lora_llama": ZooModel(_lora_llama, _tokens, _cross_entropy),
     "root_parameter": ZooModel(lambda layers: RootParameter(), _features((8,), 3), _cross_entropy),
     "learned_temperature": ZooModel(lambda layers: LearnedTemperature(), _features((8,), 3), _cross_entropy),
