@@ -169,13 +169,27 @@ def _raised_from(error: Exception, cause: Exception) -> Exception:
         return raised
 
 
+def _raised_by_module(module: str, error: Exception) -> Exception:
+    """``error`` as raised by a function of ``module``'s code."""
+    namespace = {"__name__": module, "error": error}
+    exec("def fail():\n    raise error", namespace)
+    try:
+        namespace["fail"]()
+    except Exception as raised:
+        return raised
+
+
 def test_only_a_compile_failure_steps_back_and_not_dynamos_recompile_limit():
-    """The step-back takes errors Dynamo or Inductor raised, or wrapped, with their reason; not the recompile limit,
-    which ``runtime/compile.py`` raises on purpose on one rank (a whole graph there would issue collectives the other
-    ranks' graphs do not), nor an error of the model's own."""
+    """The step-back takes errors Dynamo or Inductor raised, or wrapped, with their reason, and bare errors raised in
+    their code (torch 2.13's Dynamo asserts on Falcon's blocks: "Freevar has no source", in its reuse of a traced
+    region); not the recompile limit, which ``runtime/compile.py`` raises on purpose on one rank (a whole graph there
+    would issue collectives the other ranks' graphs do not), nor an error of the model's own."""
     failure = _raised_from(RuntimeError("while compiling"),
                            torch._dynamo.exc.InternalTorchDynamoError("RuntimeError: the region cannot run"))
     assert _compiler_failure(failure) == "InternalTorchDynamoError: RuntimeError: the region cannot run"
+    bare = _raised_by_module("torch._dynamo.variables.invoke_subgraph", AssertionError("Freevar has no source"))
+    assert _compiler_failure(bare) == "AssertionError: Freevar has no source"
     limit = _raised_from(RuntimeError("Dynamo hit its recompile limit"), torch._dynamo.exc.FailOnRecompileLimitHit())
     assert _compiler_failure(limit) is None
     assert _compiler_failure(ValueError("the model's own error")) is None
+    assert _compiler_failure(_raised_by_module("transformers.models.falcon", AssertionError("the model's"))) is None

@@ -339,13 +339,15 @@ def whole_graph_where_regions_fail(model: nn.Module, uninstall: Callable[[], Non
 
 def _compiler_failure(error: BaseException) -> str | None:
     """Why the compile failed, in a line, where ``error``, or one it was raised from, is Dynamo's or Inductor's (they
-    wrap AOTAutograd's); else None. Not Dynamo's recompile limit (``runtime/compile.py`` raises it on purpose: on
-    that rank alone, a whole graph would issue collectives the other ranks' graphs do not)."""
+    wrap AOTAutograd's) or was raised in their code (a bare assertion of Dynamo's on Falcon's blocks); else None. Not
+    Dynamo's recompile limit (``runtime/compile.py`` raises it on purpose: on that rank alone, a whole graph would
+    issue collectives the other ranks' graphs do not)."""
     compiler, innermost = False, error
     while innermost is not None:
         if isinstance(innermost, torch._dynamo.exc.FailOnRecompileLimitHit):
             return None
-        compiler = compiler or type(innermost).__module__.startswith(("torch._dynamo", "torch._inductor"))
+        compiler = compiler or any(module.startswith(("torch._dynamo", "torch._inductor"))
+                                   for module in (type(innermost).__module__, _raised_in(innermost)))
         error, innermost = innermost, getattr(innermost, "inner_exception", None) or innermost.__cause__
     if not compiler:
         return None
@@ -354,3 +356,11 @@ def _compiler_failure(error: BaseException) -> str | None:
     # announces it: "Got graph break/error:")
     first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
     return next((line for line in lines if "compile_blocks_once" in line), f"{type(error).__name__}: {first}")
+
+
+def _raised_in(error: BaseException) -> str:
+    """The module whose code raised ``error`` (its traceback's innermost frame); empty where it was never raised."""
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame.tb_frame.f_globals.get("__name__", "") if frame is not None else ""
