@@ -1,12 +1,13 @@
 """The zoo on 2 gloo ranks with default options (``compile_sharded(model)``: Inductor, ``buckets="auto"``), each
-model at a real depth (Hugging Face Llama at 32 layers, Qwen2 at 24, GPT-2, BERT, ViT and Gemma 3 at 12, T5 at 8 + 8,
-Mixtral and DeepSeek-V3 at 8, a torchtitan-style Llama with complex rotary embeddings at 16, a ResNet of 8 residual
-blocks with batch norm) against an independent reference: one process training the whole batch from the same init,
-or, for batch norm, ``DistributedDataParallel`` on the same ranks. Every model of ``zoo.ZOO`` trains in one launch (one
-process start, one gloo group), a few SGD steps each; the bounds are derived in ``zoo.py`` as in ``scenarios.py``. The
-untied token embeddings are looked up where they are sharded (the default), as the collectives of the graphs that ran
-show. The same launch trains a subset again with int8 weight gathers and int8 gradient exchanges (error feedback on),
-against the full-precision run of one process, at one layer each (the exchange is the same at any depth).
+model at a real depth (Hugging Face Llama at 32 layers, Qwen2 at 24, GPT-2, BERT, ViT and Gemma 3 at 12, T5 at
+8 + 8, Mixtral, DeepSeek-V3 and Falcon at 8, a torchtitan-style Llama with complex rotary embeddings at 16, a ResNet of
+8 residual blocks with batch norm) against an independent reference: one process training the whole batch from the
+same init, or, for batch norm, ``DistributedDataParallel`` on the same ranks. Every model of ``zoo.ZOO`` trains in
+one launch (one process start, one gloo group), a few SGD steps each; the bounds are derived in ``zoo.py`` as in
+``scenarios.py``. The untied token embeddings are looked up where they are sharded (the default), as the collectives
+of the graphs that ran show. The same launch trains a subset again with int8 weight gathers and int8 gradient
+exchanges (error feedback on), against the full-precision run of one process, at one layer each (the exchange is the
+same at any depth).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ LOOKED_UP = {"llama": "model.embed_tokens", "qwen2": "model.embed_tokens", "mixt
 # through training: every model with two blocks alike or more but those ``block_regions_refusal`` refuses (a complex
 # buffer, batch norms tracking running statistics), each named in one line. A region that fails to compile would step
 # back to the whole graph, as T5's did while its blocks passed on their input, and Mixtral's while another model's
-# shapes compiled it dynamic. Gemma 3's layers read their sliding window, which differs between its two kinds of layer:
+# shapes compiled it dynamic; Falcon's do, with torch 2.13 (Dynamo asserts as it reuses the first block's region), and
+# train as the whole graph. Gemma 3's layers read their sliding window, which differs between its two kinds of layer:
 # a region per kind.
 IN_REGIONS = {"llama", "qwen2", "gemma3", "gpt2", "bert", "t5", "vit", "mixtral", "deepseek_v3"}
 

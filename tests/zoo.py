@@ -117,6 +117,16 @@ def _deepseek_v3(layers: int) -> nn.Module:
         n_shared_experts=1, moe_intermediate_size=16, n_group=1, topk_group=1))
 
 
+def _falcon(layers: int) -> nn.Module:
+    from transformers import FalconConfig, FalconForCausalLM
+
+    # Falcon 40B's and 180B's layout: query, key and value in one projection, 2 key-value heads, attention and MLP
+    # side by side, each from its own norm; tied embedding
+    return FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers,
+                                          num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                                          max_position_embeddings=32, use_cache=False))
+
+
 def _qwen2(layers: int) -> nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -282,6 +292,7 @@ ZOO = {
                                      reference="ddp"),
     "mixtral": ZooModel(_mixtral, _tokens, _cross_entropy, depth=8),
     "deepseek_v3": ZooModel(_deepseek_v3, _tokens, _cross_entropy, depth=8),
+    "falcon": ZooModel(_falcon, _tokens, _cross_entropy, depth=8),
     "lora_llama": ZooModel(_lora_llama, _tokens, _cross_entropy),
     "root_parameter": ZooModel(lambda layers: RootParameter(), _features((8,), 3), _cross_entropy),
     "learned_temperature": ZooModel(lambda layers: LearnedTemperature(), _features((8,), 3), _cross_entropy),
