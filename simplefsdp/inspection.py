@@ -33,6 +33,7 @@ from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.passes.region_inputs import recompute_region_inputs
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
+from simplefsdp.runtime.block_regions import _compiler_failure
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.mesh import MESH_DIM_NAMES, check_tensor_parallel_world, data_parallel_groups
 from simplefsdp.runtime.mixed_precision import MixedPrecision, mixed_precision_option
@@ -101,39 +102,51 @@ def inspect(
     if problem := replica_sync_problem(**(replica_sync or {})):
         raise ValueError(problem)
     mp_policy = mp_policy or MixedPrecision()
-    # Fake CUDA tensors belong to one FakeTensorMode; meta tensors need none.
-    with FakeTensorMode() if device == "cuda" else contextlib.nullcontext():
-        copy_model = _empty_copy(model, device)
-        copy_inputs = tuple(_empty(x, device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
-        copy_target = None if target is None else _empty(target, device)
-    notes = _without_cache(copy_model)
-    if activation_checkpointing != "none" and not find_blocks(copy_model):
-        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} checkpoints each repeated block, and "
-                         f"{type(model).__name__} has none; pass activation_checkpointing='none'")
-    apply_activation_checkpointing(blocks(copy_model), activation_checkpointing)
-    if loss_fn is not None:  # the copy's forward, as checkpointing wraps a block's: module names do not change
-        copy_model.forward = functools.partial(_forward_and_loss, copy_model.forward, loss_fn, copy_target)
-    with fake_world(world_size, rank), cyclic_gc_paused():
-        mesh_device = "cuda" if device == "cuda" else "cpu"
-        if tp > 1:
-            mesh_2d = init_device_mesh(mesh_device, mesh_shape, mesh_dim_names=("dp", "tp"))
-            parallelize_module(copy_model, mesh_2d["tp"], tp_plan)
-            mesh = mesh_2d["dp"]
-        else:
-            mesh = init_device_mesh(mesh_device, mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
-        passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile, find_blocks(model),
-                               data_parallel_groups(mesh))
-        if compile_blocks_once is None:
-            compile_blocks_once = blocks_once_by_default(copy_model, find_blocks(copy_model), tp > 1, dynamic)
-        # Sharded by compile_sharded itself, so the graphs traced here are those that run.
-        compile_sharded(copy_model, mesh=mesh, mode=mode, mp_policy=mp_policy, compile=False, quantize=quantize,
-                        reshard_after_forward=reshard_after_forward, compile_blocks_once=compile_blocks_once)
-        graphs = capture_graphs(copy_model, copy_inputs, dynamic=dynamic, fused_attention=device == "meta",
-                                joint_pass=recompute_region_inputs if compile_blocks_once else None)
-        # The captured graphs are ours: the passes rewrite them in place, and each stage keeps its schedule.
-        forward_stages = list(passes.stages(graphs.forward, "forward", graphs.param_fqns))
-        backward_stages = list(passes.stages(graphs.backward, "backward", graphs.param_fqns))
-        shards = [p.to_local() for p in copy_model.parameters() if p.requires_grad]
+
+    def trace(blocks_once: bool | None) -> tuple[list, list, list[torch.Tensor], tuple[str, ...]]:
+        """The forward's and backward's stages, this rank's shards and the notes, traced with ``blocks_once``."""
+        # Fake CUDA tensors belong to one FakeTensorMode; meta tensors need none.
+        with FakeTensorMode() if device == "cuda" else contextlib.nullcontext():
+            copy_model = _empty_copy(model, device)
+            copy_inputs = tuple(_empty(x, device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+            copy_target = None if target is None else _empty(target, device)
+        notes = _without_cache(copy_model)
+        if activation_checkpointing != "none" and not find_blocks(copy_model):
+            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} checkpoints each repeated block, "
+                             f"and {type(model).__name__} has none; pass activation_checkpointing='none'")
+        apply_activation_checkpointing(blocks(copy_model), activation_checkpointing)
+        if loss_fn is not None:  # the copy's forward, as checkpointing wraps a block's: module names do not change
+            copy_model.forward = functools.partial(_forward_and_loss, copy_model.forward, loss_fn, copy_target)
+        with fake_world(world_size, rank), cyclic_gc_paused():
+            mesh_device = "cuda" if device == "cuda" else "cpu"
+            if tp > 1:
+                mesh_2d = init_device_mesh(mesh_device, mesh_shape, mesh_dim_names=("dp", "tp"))
+                parallelize_module(copy_model, mesh_2d["tp"], tp_plan)
+                mesh = mesh_2d["dp"]
+            else:
+                mesh = init_device_mesh(mesh_device, mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
+            passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile, find_blocks(model),
+                                   data_parallel_groups(mesh))
+            if blocks_once is None:
+                blocks_once = blocks_once_by_default(copy_model, find_blocks(copy_model), tp > 1, dynamic)
+            # Sharded by compile_sharded itself, so the graphs traced here are those that run.
+            compile_sharded(copy_model, mesh=mesh, mode=mode, mp_policy=mp_policy, compile=False, quantize=quantize,
+                            reshard_after_forward=reshard_after_forward, compile_blocks_once=blocks_once)
+            graphs = capture_graphs(copy_model, copy_inputs, dynamic=dynamic, fused_attention=device == "meta",
+                                    joint_pass=recompute_region_inputs if blocks_once else None)
+            # The captured graphs are ours: the passes rewrite them in place, and each stage keeps its schedule.
+            return (list(passes.stages(graphs.forward, "forward", graphs.param_fqns)),
+                    list(passes.stages(graphs.backward, "backward", graphs.param_fqns)),
+                    [p.to_local() for p in copy_model.parameters() if p.requires_grad], notes)
+
+    try:
+        forward_stages, backward_stages, shards, notes = trace(compile_blocks_once)
+    except TraceError as error:  # regions Dynamo, AOTAutograd or Inductor refused: the whole graph, as at run time
+        if compile_blocks_once is not None or (reason := _compiler_failure(error.__cause__)) is None:
+            raise
+        forward_stages, backward_stages, shards, notes = trace(False)
+        notes += (f"traced as the whole graph: compile_blocks_once could not trace this model's blocks as regions "
+                  f"({reason[:300]}), and compile_sharded steps back the same way",)
     compute_dtype = mp_policy.param_dtype or next(model.parameters(), torch.empty(0)).dtype
     stages = [InspectStage(forward.name, forward.schedule, backward.schedule, forward.plan, backward.plan,
                            simulate(forward.schedule, backward.schedule, profile, compute_dtype))

@@ -137,6 +137,18 @@ def test_what_regions_cannot_run_is_the_whole_graph_by_default_and_an_error_when
     assert str(error.value).endswith("pass compile_blocks_once=False")
 
 
+def test_inspect_steps_back_from_regions_torch_refuses_as_compile_sharded_does():
+    """Falcon's blocks (40B's layout) fail as regions in torch 2.13's Dynamo, where ``test_zoo`` trains them as the
+    whole graph: ``inspect`` by default traces the whole graph too, the same graphs as ``compile_blocks_once=False``,
+    with a note saying why. Its attention also indexes by a list (``qkv[:, :, :, [-2]]``), which makes a real meta
+    tensor while tracing on meta."""
+    inputs = (torch.zeros(2, 16, dtype=torch.long),)
+    report = simplefsdp.inspect(build("falcon", layers=2), inputs, world_size=2)
+    whole = simplefsdp.inspect(build("falcon", layers=2), inputs, world_size=2, compile_blocks_once=False)
+    (note,) = [note for note in report.notes if "traced as the whole graph" in note]
+    assert report.summary().replace(f"note: {note}\n", "") == whole.summary()
+
+
 def test_blocks_that_differ_only_in_a_setting_the_compute_never_reads_are_traced_once(per_rank):
     """Blocks alike but for a setting share one region (Hugging Face's ``layer_idx``): their compute is traced once.
     Where the compute reads a setting that differs (``factor``), the region raises as it is traced; every rank then

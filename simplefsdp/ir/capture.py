@@ -24,6 +24,7 @@ from torch._guards import TracingContext, detect_fake_mode
 from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
 from torch._inductor.decomposition import select_decomp_table
 from torch._ops import OpOverload
+from torch._subclasses.fake_tensor import fake_tensor_tls
 from torch.distributed.tensor import DTensor
 
 _SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -42,6 +43,19 @@ def cyclic_gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def _real_tensors_made_fake() -> Iterator[None]:
+    """Inside, a real tensor an op meets while tracing becomes a fake one, as Dynamo does for a function it treats as a
+    leaf: indexing a meta tensor by a list (Falcon's ``qkv[:, :, :, [-2]]``) makes the index a real meta tensor,
+    which the fake mode refuses otherwise. Tracing runs nothing, so no data is read."""
+    before = fake_tensor_tls.allow_non_fake_inputs_override
+    fake_tensor_tls.allow_non_fake_inputs_override = True
+    try:
+        yield
+    finally:
+        fake_tensor_tls.allow_non_fake_inputs_override = before
 
 
 @dataclass
@@ -87,7 +101,7 @@ def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: 
 
     # AOTAutograd compiles the backward with the forward (not at the first backward), so both are in hand before
     # Dynamo builds guards or runs anything: about 6% of inspect's time at Llama 3 8B.
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), _real_tensors_made_fake():
         try:
             torch.compile(call, backend=backend, fullgraph=True, dynamic=dynamic)(*example_inputs)
         except Exception as error:  # Dynamo raises many types; all mean "does not trace"
