@@ -33,7 +33,7 @@ from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.passes.region_inputs import recompute_region_inputs
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
-from simplefsdp.runtime.block_regions import _compiler_failure
+from simplefsdp.runtime.block_regions import compiler_failure
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.mesh import MESH_DIM_NAMES, check_tensor_parallel_world, data_parallel_groups
 from simplefsdp.runtime.mixed_precision import MixedPrecision, mixed_precision_option
@@ -142,7 +142,7 @@ def inspect(
     try:
         forward_stages, backward_stages, shards, notes = trace(compile_blocks_once)
     except TraceError as error:  # regions Dynamo, AOTAutograd or Inductor refused: the whole graph, as at run time
-        if compile_blocks_once is not None or (reason := _compiler_failure(error.__cause__)) is None:
+        if compile_blocks_once is not None or (reason := compiler_failure(error.__cause__)) is None:
             raise
         forward_stages, backward_stages, shards, notes = trace(False)
         notes += (f"traced as the whole graph: compile_blocks_once could not trace this model's blocks as regions "

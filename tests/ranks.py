@@ -7,7 +7,6 @@ import os
 import pickle
 import signal
 import socket
-import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -17,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
+
+from simplefsdp.runtime.launch import leave_rank
 
 
 def _free_port() -> int:
@@ -62,12 +63,8 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, environment:
         outcome = ("error", f"rank {rank}: {traceback.format_exc()}")
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as file:
         pickle.dump(outcome, file)
-    # Leave without tearing gloo down or running C++ static destructors: with PyTorch 2.13 either aborted a rank now
-    # and then (SIGABRT, "terminate called without an active exception") after its result was written, which failed
-    # a launch whose work was done (the zoo's, in CI on 2026-12-03) and hid what each rank had reported.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if outcome[0] == "ok" else 1)
+    # gloo's teardown aborted a rank now and then after its result was written (the zoo's, in CI on 2026-12-03)
+    leave_rank(0 if outcome[0] == "ok" else 1)
 
 
 # Ranks are forked from a server that imported these once (about 7 s of a rank's start-up on 2 cores, which every

@@ -16,7 +16,7 @@ from torch._dynamo.utils import compilation_time_metrics
 
 import simplefsdp
 from ranks import run_on_ranks
-from simplefsdp.runtime.block_regions import _compiler_failure, _run_block
+from simplefsdp.runtime.block_regions import compiler_failure, _run_block
 from zoo import ComplexRotaryLlama, ResNet, build
 
 
@@ -198,10 +198,10 @@ def test_only_a_compile_failure_steps_back_and_not_dynamos_recompile_limit():
     would issue collectives the other ranks' graphs do not), nor an error of the model's own."""
     failure = _raised_from(RuntimeError("while compiling"),
                            torch._dynamo.exc.InternalTorchDynamoError("RuntimeError: the region cannot run"))
-    assert _compiler_failure(failure) == "InternalTorchDynamoError: RuntimeError: the region cannot run"
+    assert compiler_failure(failure) == "InternalTorchDynamoError: RuntimeError: the region cannot run"
     bare = _raised_by_module("torch._dynamo.variables.invoke_subgraph", AssertionError("Freevar has no source"))
-    assert _compiler_failure(bare) == "AssertionError: Freevar has no source"
+    assert compiler_failure(bare) == "AssertionError: Freevar has no source"
     limit = _raised_from(RuntimeError("Dynamo hit its recompile limit"), torch._dynamo.exc.FailOnRecompileLimitHit())
-    assert _compiler_failure(limit) is None
-    assert _compiler_failure(ValueError("the model's own error")) is None
-    assert _compiler_failure(_raised_by_module("transformers.models.falcon", AssertionError("the model's"))) is None
+    assert compiler_failure(limit) is None
+    assert compiler_failure(ValueError("the model's own error")) is None
+    assert compiler_failure(_raised_by_module("transformers.models.falcon", AssertionError("the model's"))) is None

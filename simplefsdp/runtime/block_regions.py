@@ -319,7 +319,7 @@ def whole_graph_where_regions_fail(model: nn.Module, uninstall: Callable[[], Non
         try:
             return compiled(*args, **kwargs)
         except Exception as error:
-            if (reason := _compiler_failure(error)) is None:
+            if (reason := compiler_failure(error)) is None:
                 raise
         uninstall()
         read = re.search(_READ_SETTING, reason)
@@ -337,7 +337,7 @@ def whole_graph_where_regions_fail(model: nn.Module, uninstall: Callable[[], Non
     set_compiled_call(model, call)
 
 
-def _compiler_failure(error: BaseException) -> str | None:
+def compiler_failure(error: BaseException) -> str | None:
     """Why the compile failed, in a line, where ``error``, or one it was raised from, is Dynamo's or Inductor's (they
     wrap AOTAutograd's) or was raised in their code (a bare assertion of Dynamo's on Falcon's blocks); else None. Not
     Dynamo's recompile limit (``runtime/compile.py`` raises it on purpose: on that rank alone, a whole graph would
