@@ -137,16 +137,40 @@ def test_what_regions_cannot_run_is_the_whole_graph_by_default_and_an_error_when
     assert str(error.value).endswith("pass compile_blocks_once=False")
 
 
+class TransposingBlock(nn.Module):
+    """Multiplies its input's transpose's transpose by a weight: torch 2.13's Dynamo records the attribute read of a
+    region's input (``x.mT``) in the outer graph, and then fails to reuse the region (pytorch/pytorch#191785)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mT.mT @ self.weight
+
+
 def test_inspect_steps_back_from_regions_torch_refuses_as_compile_sharded_does():
-    """Falcon's blocks (40B's layout) fail as regions in torch 2.13's Dynamo, where ``test_zoo`` trains them as the
-    whole graph: ``inspect`` by default traces the whole graph too, the same graphs as ``compile_blocks_once=False``,
-    with a note saying why. Its attention also indexes by a list (``qkv[:, :, :, [-2]]``), which makes a real meta
-    tensor while tracing on meta."""
-    inputs = (torch.zeros(2, 16, dtype=torch.long),)
-    report = simplefsdp.inspect(build("falcon", layers=2), inputs, world_size=2)
-    whole = simplefsdp.inspect(build("falcon", layers=2), inputs, world_size=2, compile_blocks_once=False)
+    """Blocks that fail as regions in torch 2.13's Dynamo: ``inspect`` by default traces the whole graph, the same
+    graphs as ``compile_blocks_once=False``, with a note saying why."""
+    torch.manual_seed(0)
+    inputs = (torch.randn(4, 8),)
+    report = simplefsdp.inspect(nn.Sequential(TransposingBlock(), TransposingBlock()), inputs, world_size=2)
+    whole = simplefsdp.inspect(nn.Sequential(TransposingBlock(), TransposingBlock()), inputs, world_size=2,
+                               compile_blocks_once=False)
     (note,) = [note for note in report.notes if "traced as the whole graph" in note]
+    assert "Freevar has no source" in note
     assert report.summary().replace(f"note: {note}\n", "") == whole.summary()
+
+
+def test_inspect_traces_falcons_blocks_as_regions():
+    """Falcon's blocks (40B's layout) read their weights transposed (``self.weight.T``), which regions take (an alias
+    of each weight first: ``_region``), and index by a list (``qkv[:, :, :, [-2]]``), which makes a real meta tensor
+    while tracing on meta (``ir/capture.py``): ``inspect`` reuses the region traced for the first block (the last
+    keeps its gathers: a region of its own) for the second, with no step back."""
+    compilation_time_metrics.clear()
+    report = simplefsdp.inspect(build("falcon", layers=3), (torch.zeros(2, 16, dtype=torch.long),), world_size=2)
+    assert report.notes == ()
+    assert compilation_time_metrics["invoke_subgraph_reuse_stamp_out"]
 
 
 def test_blocks_that_differ_only_in_a_setting_the_compute_never_reads_are_traced_once(per_rank):
@@ -193,9 +217,9 @@ def _raised_by_module(module: str, error: Exception) -> Exception:
 
 def test_only_a_compile_failure_steps_back_and_not_dynamos_recompile_limit():
     """The step-back takes errors Dynamo or Inductor raised, or wrapped, with their reason, and bare errors raised in
-    their code (torch 2.13's Dynamo asserts on Falcon's blocks: "Freevar has no source", in its reuse of a traced
-    region); not the recompile limit, which ``runtime/compile.py`` raises on purpose on one rank (a whole graph there
-    would issue collectives the other ranks' graphs do not), nor an error of the model's own."""
+    their code (torch 2.13's Dynamo asserts on a block reading its input's ``x.mT``: "Freevar has no source", in its
+    reuse of a traced region); not the recompile limit, which ``runtime/compile.py`` raises on purpose on one rank (a
+    whole graph there would issue collectives the other ranks' graphs do not), nor an error of the model's own."""
     failure = _raised_from(RuntimeError("while compiling"),
                            torch._dynamo.exc.InternalTorchDynamoError("RuntimeError: the region cannot run"))
     assert compiler_failure(failure) == "InternalTorchDynamoError: RuntimeError: the region cannot run"

@@ -54,11 +54,10 @@ LOOKED_UP = {"llama": "model.embed_tokens", "qwen2": "model.embed_tokens", "mixt
 # The models whose repeated blocks compile once, in regions, by default (``compile_blocks_once=None``) and keep them
 # through training: every model with two blocks alike or more but those ``block_regions_refusal`` refuses (a complex
 # buffer, batch norms tracking running statistics), each named in one line. A region that fails to compile would step
-# back to the whole graph, as T5's did while its blocks passed on their input, and Mixtral's while another model's
-# shapes compiled it dynamic; Falcon's do, with torch 2.13 (Dynamo asserts as it reuses the first block's region), and
-# train as the whole graph. Gemma 3's layers read their sliding window, which differs between its two kinds of layer:
-# a region per kind.
-IN_REGIONS = {"llama", "qwen2", "gemma3", "gpt2", "bert", "t5", "vit", "mixtral", "deepseek_v3"}
+# back to the whole graph, as T5's did while its blocks passed on their input, Mixtral's while another model's shapes
+# compiled it dynamic, and Falcon's while its weights' transposes (``self.weight.T``) made torch 2.13's Dynamo assert.
+# Gemma 3's layers read their sliding window, which differs between its two kinds of layer: a region per kind.
+IN_REGIONS = {"llama", "qwen2", "gemma3", "gpt2", "bert", "t5", "vit", "mixtral", "deepseek_v3", "falcon"}
 
 
 def _slice(value, rank: int, ranks: int):

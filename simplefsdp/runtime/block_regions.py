@@ -173,7 +173,10 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, 
     tracing (``ARCHITECTURE.md``)."""
 
     def run(*flat, **kwargs):
-        return functional_call(template, dict(zip(names, flat)), flat[len(names):], kwargs, tie_weights=False)
+        # each tensor through an alias first: torch 2.13's Dynamo records a tensor attribute read of a region's input
+        # (Falcon's ``self.weight.T``) in the outer graph, and then cannot reuse the region (pytorch/pytorch#191785)
+        tensors = [torch.ops.aten.alias(tensor) for tensor in flat[:len(names)]]
+        return functional_call(template, dict(zip(names, tensors)), flat[len(names):], kwargs, tie_weights=False)
 
     def compute(*flat, **kwargs):
         if checkpointing is None:
@@ -339,9 +342,9 @@ def whole_graph_where_regions_fail(model: nn.Module, uninstall: Callable[[], Non
 
 def compiler_failure(error: BaseException) -> str | None:
     """Why the compile failed, in a line, where ``error``, or one it was raised from, is Dynamo's or Inductor's (they
-    wrap AOTAutograd's) or was raised in their code (a bare assertion of Dynamo's on Falcon's blocks); else None. Not
-    Dynamo's recompile limit (``runtime/compile.py`` raises it on purpose: on that rank alone, a whole graph would
-    issue collectives the other ranks' graphs do not)."""
+    wrap AOTAutograd's) or was raised in their code (a bare assertion of Dynamo's on a block reading ``x.mT``); else
+    None. Not Dynamo's recompile limit (``runtime/compile.py`` raises it on purpose: on that rank alone, a whole graph
+    would issue collectives the other ranks' graphs do not)."""
     compiler, innermost = False, error
     while innermost is not None:
         if isinstance(innermost, torch._dynamo.exc.FailOnRecompileLimitHit):
