@@ -4,8 +4,11 @@
 
 Per shard size, the median wall and process CPU time (gloo's threads included) of one functional all-gather, of the
 same bytes as an all-to-all of the shard repeated once per rank, and of the shard all-gathered in 4 and 16 chunks
-issued together and then waited (and in 16 chunks reassembled into one rank-major buffer, as a parameter needs it).
-Medians of 15 calls, each after a barrier; printed by rank 0.
+issued together and then waited (and in 16 chunks reassembled into one rank-major buffer, as a parameter needs it);
+then as our graphs gather (into a buffer whose rank's slice holds the shard, ``all_gather_into_tensor_out``) beside
+one in-place broadcast of each rank's slice of that buffer, all issued, then waited (gloo copies no flat buffer for
+a broadcast, and runs the broadcasts on its threads side by side). Medians of 15 calls, each after a barrier; printed
+by rank 0.
 """
 
 import statistics
@@ -33,9 +36,21 @@ def main() -> None:
         splits = [shard.numel()] * world
         ops.wait_tensor(ops.all_to_all_single(shard.repeat(world), splits, splits, name))
 
+    def into_buffer(shard: torch.Tensor, broadcasts: bool) -> None:
+        buffer = torch.empty(world * shard.numel())
+        slices = buffer.chunk(world)
+        slices[dist.get_rank()].copy_(shard)
+        if broadcasts:
+            for work in [ops.broadcast_(piece, rank, name) for rank, piece in enumerate(slices)]:
+                ops.wait_tensor(work)
+        else:
+            ops.wait_tensor(ops.all_gather_into_tensor_out(slices[dist.get_rank()], world, name, out=buffer))
+
     forms = {"all-gather": all_gather, "all-to-all": all_to_all, "all-gather, 4 chunks": lambda s: all_gather(s, 4),
              "all-gather, 16 chunks": lambda s: all_gather(s, 16),
-             "all-gather, 16 chunks, reassembled": lambda s: all_gather(s, 16, reassemble=True)}
+             "all-gather, 16 chunks, reassembled": lambda s: all_gather(s, 16, reassemble=True),
+             "all-gather into a buffer": lambda s: into_buffer(s, broadcasts=False),
+             "broadcasts into a buffer": lambda s: into_buffer(s, broadcasts=True)}
     if dist.get_rank() == 0:
         print("| shard MiB | form | wall ms | CPU ms |\n|---|---|---|---|")
     for mib in (0.25, 1, 4, 16, 64):
