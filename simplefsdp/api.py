@@ -102,8 +102,9 @@ def compile_sharded(
     (``"block"``). ``quantize`` (``Quantize``) sends weights and gradients in low-bit formats.
     ``compile_blocks_once`` compiles the compute of each distinct block once and reuses it for its repeats
     (``runtime/block_regions.py``): cold compile grows less with depth. ``None`` (default): on where
-    ``blocks_once_by_default`` says, and a call a region cannot run runs the block's own forward; ``True``: on, and
-    anything it cannot run is an error; ``False``: the whole graph traced block by block.
+    ``blocks_once_by_default`` says (compiled by Inductor, or a fake or meta model, as ``inspect`` traces), and a call
+    a region cannot run runs the block's own forward; ``True``: on, and anything it cannot run is an error; ``False``:
+    the whole graph traced block by block.
 
     FSDP x TP: apply ``parallelize_module(model, mesh_2d["tp"], plan)`` first, then pass ``mesh=mesh_2d["dp"]``;
     TP's DTensor parameters are sharded over dp as well, and the passes touch only the data-parallel collectives.
@@ -158,16 +159,16 @@ def compile_sharded(
                          "not parallelize_module's DTensors); pass compile_blocks_once=False with parallelize_module")
     block_fqns = find_blocks(model) if blocks is None else tuple(blocks)
     strict_regions = compile_blocks_once is not None
-    if compile_blocks_once is None:
-        by_default = compile and backend == "inductor"
+    values = holds_values(model)
+    if compile_blocks_once is None:  # and a fake or meta model not compiled: the regions inspect traces
+        by_default = (compile or not values) and backend == "inductor"
         compile_blocks_once = by_default and blocks_once_by_default(
             model, block_fqns, tp_mesh is not None, bool(compile_options.get("dynamic")))
-        if by_default and not compile_blocks_once and len(block_fqns) > 1 and (
+        if compile and by_default and not compile_blocks_once and len(block_fqns) > 1 and (
                 refusal := block_regions_refusal(model, block_fqns)):
             say(f"compiling the whole graph, not each distinct block once: {refusal}")
     elif compile_blocks_once and (refusal := block_regions_refusal(model, block_fqns)):
         raise ValueError(refusal)
-    values = holds_values(model)
     if values:  # a meta model gets its shards from materialize_sharded; a fake one (inspect's) is only traced
         model.to(mesh.device_type)
     # The first collective: ranks that differ in model or arguments would go on to issue different collectives.

@@ -8,6 +8,7 @@ import contextlib
 import copy
 import functools
 import itertools
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -33,7 +34,7 @@ from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.passes.region_inputs import recompute_region_inputs
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
-from simplefsdp.runtime.block_regions import compiler_failure
+from simplefsdp.runtime.block_regions import READ_SETTING, compiler_failure
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.mesh import MESH_DIM_NAMES, check_tensor_parallel_world, data_parallel_groups
 from simplefsdp.runtime.mixed_precision import MixedPrecision, mixed_precision_option
@@ -82,7 +83,7 @@ def inspect(
     after backward as ``replica_sync`` says (``replica_sync_price``'s keywords; default: averaging gradient shards).
     ``tp`` > 1 prices FSDP x TP on a ``(world_size // tp, tp)`` mesh: ``parallelize_module`` with ``tp_plan``
     (default: the reference Llama's, ``models/llama_tp.py``) over tp, then ``fully_shard`` over dp.
-    ``compile_blocks_once``: as ``compile_sharded``'s (``None``: on where ``blocks_once_by_default`` says), and each
+    ``compile_blocks_once``: as ``compile_sharded``'s (``None``: the regions its default compiles), and each
     distinct block is traced once.
     """
     profile = get_profile(hardware)
@@ -127,13 +128,15 @@ def inspect(
                 mesh = init_device_mesh(mesh_device, mesh_shape, mesh_dim_names=MESH_DIM_NAMES[mode])
             passes = OverlapPasses(buckets, reorder, prefetch, memory_budget, profile, find_blocks(model),
                                    data_parallel_groups(mesh))
-            if blocks_once is None:
-                blocks_once = blocks_once_by_default(copy_model, find_blocks(copy_model), tp > 1, dynamic)
+            # None where the default compiles regions: blocks that differ in a setting share one, as at run time
+            regions = blocks_once if blocks_once is not None else blocks_once_by_default(
+                copy_model, find_blocks(copy_model), tp > 1, dynamic)
             # Sharded by compile_sharded itself, so the graphs traced here are those that run.
             compile_sharded(copy_model, mesh=mesh, mode=mode, mp_policy=mp_policy, compile=False, quantize=quantize,
-                            reshard_after_forward=reshard_after_forward, compile_blocks_once=blocks_once)
+                            reshard_after_forward=reshard_after_forward,
+                            compile_blocks_once=None if blocks_once is None and regions else regions)
             graphs = capture_graphs(copy_model, copy_inputs, dynamic=dynamic, fused_attention=device == "meta",
-                                    joint_pass=recompute_region_inputs if blocks_once else None)
+                                    joint_pass=recompute_region_inputs if regions else None)
             # The captured graphs are ours: the passes rewrite them in place, and each stage keeps its schedule.
             return (list(passes.stages(graphs.forward, "forward", graphs.param_fqns)),
                     list(passes.stages(graphs.backward, "backward", graphs.param_fqns)),
@@ -145,8 +148,13 @@ def inspect(
         if compile_blocks_once is not None or (reason := compiler_failure(error.__cause__)) is None:
             raise
         forward_stages, backward_stages, shards, notes = trace(False)
-        notes += (f"traced as the whole graph: compile_blocks_once could not trace this model's blocks as regions "
-                  f"({reason[:300]}), and compile_sharded steps back the same way",)
+        if read := re.search(READ_SETTING, reason):  # compile_sharded tries a region per value of it
+            notes += (f"traced as the whole graph: the blocks differ in {read[1]!r}, which their compute reads; "
+                      "compile_sharded compiles a region per value of it where each serves two blocks on average "
+                      "(not traced here), else the whole graph",)
+        else:
+            notes += (f"traced as the whole graph: compile_blocks_once could not trace this model's blocks as regions "
+                      f"({reason[:300]}), and compile_sharded steps back the same way",)
     compute_dtype = mp_policy.param_dtype or next(model.parameters(), torch.empty(0)).dtype
     stages = [InspectStage(forward.name, forward.schedule, backward.schedule, forward.plan, backward.plan,
                            simulate(forward.schedule, backward.schedule, profile, compute_dtype))

@@ -8,6 +8,7 @@ import contextlib
 import copy
 import functools
 import io
+import re
 
 import pytest
 import torch
@@ -171,6 +172,18 @@ def test_inspect_traces_falcons_blocks_as_regions():
     report = simplefsdp.inspect(build("falcon", layers=3), (torch.zeros(2, 16, dtype=torch.long),), world_size=2)
     assert report.notes == ()
     assert compilation_time_metrics["invoke_subgraph_reuse_stamp_out"]
+
+
+def test_inspect_shares_a_region_between_blocks_that_differ_in_a_setting_their_compute_never_reads():
+    """By default ``inspect`` traces the regions ``compile_sharded``'s default compiles: Hugging Face's layers, each
+    with its own ``layer_idx``, call one region; Gemma 3's, whose compute reads a sliding window that differs between
+    its two kinds of layer (every sixth full), are traced as the whole graph, with a note naming the setting."""
+    tokens = (torch.zeros(2, 16, dtype=torch.long),)
+    report = simplefsdp.inspect(build("llama", layers=3), tokens, world_size=2)
+    calls = re.findall(r"invoke_subgraph\(\w+, '(\w+)'", report.stage("traced").forward.code)
+    assert len(calls) == 3 and len(set(calls)) == 1, calls
+    (note,) = simplefsdp.inspect(build("gemma3", layers=6), tokens, world_size=2).notes
+    assert note.startswith("traced as the whole graph: the blocks differ in 'sliding_window'"), note
 
 
 def test_blocks_that_differ_only_in_a_setting_the_compute_never_reads_are_traced_once(per_rank):

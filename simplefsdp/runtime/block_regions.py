@@ -162,7 +162,7 @@ def _unreadable(key: str) -> property:
     return property(read)
 
 
-_READ_SETTING = r"compile_blocks_once ran blocks that differ in '(\w+)' as one region"  # ``_unreadable``'s error
+READ_SETTING = r"compile_blocks_once ran blocks that differ in '(\w+)' as one region"  # ``_unreadable``'s error
 
 
 def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, name: str) -> Callable:
@@ -325,7 +325,7 @@ def whole_graph_where_regions_fail(model: nn.Module, uninstall: Callable[[], Non
             if (reason := compiler_failure(error)) is None:
                 raise
         uninstall()
-        read = re.search(_READ_SETTING, reason)
+        read = re.search(READ_SETTING, reason)
         if read and read[1] not in keyed and (uninstall_keyed := regions_keyed_by(keyed | {read[1]})) is not None:
             whole_graph_where_regions_fail(model, uninstall_keyed, regions_keyed_by, compile_whole_graph, say,
                                            keyed | {read[1]})
