@@ -23,16 +23,18 @@ from simplefsdp.ir.fqn import node_fqn
 COMPUTE, COLLECTIVE, WAIT = "compute", "collective", "wait"
 
 _functional = torch.ops._c10d_functional
-# Collective op → (kind, index of the group-size argument or None, which buffer is the full size).
+# Collective op, by name (an op of ours needs no import here) → (kind, index of the group-size argument or None, which
+# buffer is the full size).
 COLLECTIVE_OPS = {
-    _functional.all_gather_into_tensor.default: ("all_gather", 1, "output"),
-    _functional.all_gather_into_tensor_coalesced.default: ("all_gather", 1, "output"),
-    _functional.all_gather_into_tensor_out.default: ("all_gather", 1, "output"),
-    _functional.reduce_scatter_tensor.default: ("reduce_scatter", 2, "input"),
-    _functional.reduce_scatter_tensor_coalesced.default: ("reduce_scatter", 2, "input"),
-    _functional.all_reduce.default: ("all_reduce", None, "input"),
-    _functional.all_reduce_coalesced.default: ("all_reduce", None, "input"),
-    _functional.all_to_all_single.default: ("all_to_all", None, "input"),
+    "_c10d_functional.all_gather_into_tensor.default": ("all_gather", 1, "output"),
+    "_c10d_functional.all_gather_into_tensor_coalesced.default": ("all_gather", 1, "output"),
+    "_c10d_functional.all_gather_into_tensor_out.default": ("all_gather", 1, "output"),
+    "simplefsdp.all_gather_by_broadcasts.default": ("all_gather", 1, "output"),  # passes/gloo_collectives.py
+    "_c10d_functional.reduce_scatter_tensor.default": ("reduce_scatter", 2, "input"),
+    "_c10d_functional.reduce_scatter_tensor_coalesced.default": ("reduce_scatter", 2, "input"),
+    "_c10d_functional.all_reduce.default": ("all_reduce", None, "input"),
+    "_c10d_functional.all_reduce_coalesced.default": ("all_reduce", None, "input"),
+    "_c10d_functional.all_to_all_single.default": ("all_to_all", None, "input"),
 }
 
 
@@ -220,8 +222,8 @@ def _read_node(fx_node: fx.Node, fqns: dict[str, str], regions: dict) -> Schedul
             source = source.args[0]
         return ScheduleNode(kind=WAIT, waits_for=source.name, alias_of=call.args[0].name, **common)
     common["bytes_written"] = _bytes_of(tree_flatten(fx_node.meta.get("val"))[0])
-    if target in COLLECTIVE_OPS:
-        return ScheduleNode(kind=COLLECTIVE, collective=_read_collective(call, common["bytes_written"]), **common)
+    if op in COLLECTIVE_OPS:
+        return ScheduleNode(kind=COLLECTIVE, collective=_read_collective(call, op, common["bytes_written"]), **common)
     if (alias := _aliased_input(call)) is not None:
         return ScheduleNode(kind=COMPUTE, alias_of=alias, **common)
     if isinstance(target, HigherOrderOperator) and target.name() == "invoke_subgraph":
@@ -282,8 +284,8 @@ def _flops(fx_node: fx.Node, call: _Call) -> int:
     return flops // 2 if causal else flops
 
 
-def _read_collective(call: _Call, output_bytes: int) -> Collective:
-    kind, size_index, full_buffer = COLLECTIVE_OPS[call.target]
+def _read_collective(call: _Call, op: str, output_bytes: int) -> Collective:
+    kind, size_index, full_buffer = COLLECTIVE_OPS[op]
     ranks = group_ranks(call.args[-1])
     if size_index is not None and len(ranks) != call.args[size_index]:
         ranks = tuple(range(call.args[size_index]))

@@ -17,7 +17,7 @@ from simplefsdp.ir.schedule import COLLECTIVE_OPS, Schedule, read_schedule
 from simplefsdp.passes.auto_buckets import plan_auto_buckets
 from simplefsdp.passes.bucket_apply import apply_buckets
 from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan, plan_buckets
-from simplefsdp.passes.gloo_reduce_scatter import apply_gloo_reduce_scatters, plan_gloo_reduce_scatters
+from simplefsdp.passes.gloo_collectives import apply_gloo_collectives, plan_gloo_collectives
 from simplefsdp.passes.rank_guard import insert_agreement
 from simplefsdp.passes.reorder import ReorderPlan, apply_reorder, plan_reorder
 
@@ -27,7 +27,7 @@ _SOURCES = sorted(Path(__file__).parent.glob("*.py")) + sorted((Path(__file__).p
 @dataclass(frozen=True)
 class PassStage:
     """One graph after a step of the passes (``"traced"``, ``"bucketed"``, ``"gloo"``: gloo's reduce-scatters as
-    all-to-alls, ``"reordered"``) and the plan it applied."""
+    all-to-alls and all-gathers as broadcasts, ``"reordered"``) and the plan it applied."""
     name: str
     schedule: Schedule
     plan: BucketPlan | ReorderPlan | tuple[str, ...] | None
@@ -49,7 +49,7 @@ class OverlapPasses(CustomGraphPass):
         self.plans: list[tuple[BucketPlan | None, ReorderPlan | None]] = []
 
     def __call__(self, graph: fx.Graph) -> None:
-        if not any(node.target in COLLECTIVE_OPS for node in graph.nodes):  # a block compiled once: compute only
+        if not any(str(node.target) in COLLECTIVE_OPS for node in graph.nodes):  # a block compiled once: compute only
             return
         stages = list(self.stages(graph.owning_module, graph_phase(graph)))
         plans = {stage.name: stage.plan for stage in stages}
@@ -67,8 +67,8 @@ class OverlapPasses(CustomGraphPass):
             gm.recompile()
             schedule = read_schedule(gm, phase, param_fqns, self.groups)
             yield PassStage("bucketed", schedule, bucket_plan)
-        if lowered := plan_gloo_reduce_scatters(schedule):
-            apply_gloo_reduce_scatters(gm.graph, lowered)
+        if lowered := plan_gloo_collectives(schedule):
+            apply_gloo_collectives(gm.graph, lowered)
             gm.recompile()
             schedule = read_schedule(gm, phase, param_fqns, self.groups)
             yield PassStage("gloo", schedule, lowered)
