@@ -123,3 +123,20 @@ def test_no_other_backend_is_rewritten(fake_world):
     assert plan_gloo_collectives(read_schedule(gm, "backward")) == ()
     gm = make_fx(gather_then_scale(8), tracing_mode="fake")(torch.empty(2, 3))
     assert plan_gloo_collectives(read_schedule(gm, "forward")) == ()
+
+
+def test_a_collective_read_unwaited_is_left_as_traced(tmp_path):
+    """A gathered tensor the graph also returns unwaited (torch 2.14's partitioner saves one so) keeps gloo's
+    all-gather: its readers expect the collective's own output."""
+    one_gloo_rank(tmp_path)
+    try:
+        group_name = dist.group.WORLD.group_name
+
+        def step(shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            gathered = functional.all_gather_into_tensor(shard, 1, group_name)
+            return functional.wait_tensor(gathered) * 2, gathered
+
+        gm = make_fx(step, tracing_mode="fake")(torch.empty(3, 4))
+        assert plan_gloo_collectives(read_schedule(gm, "forward")) == ()
+    finally:
+        dist.destroy_process_group()

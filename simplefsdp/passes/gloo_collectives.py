@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from simplefsdp.ir.schedule import Schedule, process_group
+from simplefsdp.ir.schedule import WAIT, Schedule, process_group
 from simplefsdp.passes.inductor_internals import replace_collective
 from simplefsdp.runtime.gloo_broadcasts import ALL_GATHER_BY_BROADCASTS
 
@@ -29,10 +29,17 @@ ALL_GATHERS = ("_c10d_functional.all_gather_into_tensor.default", "_c10d_functio
 
 def plan_gloo_collectives(schedule: Schedule) -> tuple[str, ...]:
     """The reduce-scatters and all-gathers of ``schedule``'s data-parallel collectives whose process group runs on
-    gloo, by name."""
+    gloo and whose one reader is their wait, by name."""
     return tuple(node.name for node in schedule.data_parallel_collectives()
-                 if node.op in (REDUCE_SCATTER, *ALL_GATHERS)
+                 if node.op in (REDUCE_SCATTER, *ALL_GATHERS) and _waited_once(schedule, node.name)
                  and dist.get_backend(process_group(node.collective.group_name)) == "gloo")
+
+
+def _waited_once(schedule: Schedule, name: str) -> bool:
+    """Whether collective ``name`` is read by one node, its wait, and is no output of the graph (torch 2.14's
+    partitioner can save a gathered tensor unwaited for the backward)."""
+    readers = list(schedule.dag.successors(name))
+    return len(readers) == 1 and schedule.node(readers[0]).kind == WAIT and name not in schedule.outputs
 
 
 def apply_gloo_collectives(graph: fx.Graph, names: tuple[str, ...]) -> None:
