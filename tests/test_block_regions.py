@@ -18,9 +18,7 @@ from torch import nn
 from torch._dynamo.utils import compilation_time_metrics, counters
 
 import simplefsdp
-from simplefsdp.api import blocks_once_by_default
 from simplefsdp.models.llama import build_model
-from simplefsdp.passes.bucket_plan import find_blocks
 from simplefsdp.runtime.block_regions import _run_block
 from simplefsdp.runtime.mixed_precision import MixedPrecision
 
@@ -166,34 +164,6 @@ def test_a_block_with_a_forward_of_its_own_is_refused_before_any_collective(fake
 def _compiles_blocks_once(model: nn.Module) -> bool:
     return any(isinstance(vars(module).get("forward"), functools.partial) and module.forward.func is _run_block
                for module in model.modules())
-
-
-def _own_forward(model: nn.Module) -> nn.Module:
-    model.layers[1].forward = lambda *args, **kwargs: type(model.layers[1]).forward(model.layers[1], *args, **kwargs)
-    return model
-
-
-@pytest.mark.parametrize("options, build, once", [
-    ({}, lambda: build_model("debug", n_layers=2), True),
-    ({"compile_blocks_once": False}, lambda: build_model("debug", n_layers=2), False),
-    ({"backend": "aot_eager"}, lambda: build_model("debug", n_layers=2), False),
-    ({"backend": "aot_eager", "compile_blocks_once": True}, lambda: build_model("debug", n_layers=2), True),
-    ({"compile": False}, lambda: build_model("debug", n_layers=2), False),
-    ({"dynamic": True}, lambda: build_model("debug", n_layers=2), False),
-    ({}, lambda: _own_forward(build_model("debug", n_layers=2)), False),
-    ({}, lambda: nn.Sequential(ReluBlock(), SineBlock(1.0)), False),  # no repeats (the same shapes, not class)
-])
-def test_blocks_are_compiled_once_by_default_where_the_model_allows_it(fake_world, options, build, once):
-    """``compile_blocks_once=None`` (the default) compiles blocks once when Inductor compiles repeated blocks that a
-    region can run; otherwise, and with ``False``, the whole graph, and no error."""
-    assert _compiles_blocks_once(simplefsdp.compile_sharded(build(), **options)) is once
-
-
-def test_tensor_parallel_blocks_are_not_compiled_once_by_default():
-    model = build_model("debug", n_layers=2)
-    blocks = find_blocks(model)
-    assert blocks_once_by_default(model, blocks, tensor_parallel=False, dynamic=False)
-    assert not blocks_once_by_default(model, blocks, tensor_parallel=True, dynamic=False)
 
 
 def _calls_a_region_cannot_run() -> list[tuple[float, float]]:

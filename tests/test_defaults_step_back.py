@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import io
 import re
 
@@ -17,7 +16,11 @@ from torch._dynamo.utils import compilation_time_metrics
 
 import simplefsdp
 from ranks import run_on_ranks
-from simplefsdp.runtime.block_regions import compiler_failure, _run_block
+from simplefsdp.api import blocks_once_by_default
+from simplefsdp.models.llama import build_model
+from simplefsdp.passes.bucket_plan import find_blocks
+from simplefsdp.runtime.block_regions import compiler_failure
+from test_block_regions import ReluBlock, SineBlock, _compiles_blocks_once
 from zoo import ComplexRotaryLlama, ResNet, build
 
 
@@ -46,11 +49,6 @@ class IndexedBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.scale * self.factor
-
-
-def _compiles_blocks_once(model: nn.Module) -> bool:
-    return any(isinstance(vars(module).get("forward"), functools.partial) and module.forward.func is _run_block
-               for module in model.modules())
 
 
 def _step_back_on_a_failed_region() -> dict:
@@ -242,3 +240,31 @@ def test_only_a_compile_failure_steps_back_and_not_dynamos_recompile_limit():
     assert compiler_failure(limit) is None
     assert compiler_failure(ValueError("the model's own error")) is None
     assert compiler_failure(_raised_by_module("transformers.models.falcon", AssertionError("the model's"))) is None
+
+
+def _own_forward(model: nn.Module) -> nn.Module:
+    model.layers[1].forward = lambda *args, **kwargs: type(model.layers[1]).forward(model.layers[1], *args, **kwargs)
+    return model
+
+
+@pytest.mark.parametrize("options, build, once", [
+    ({}, lambda: build_model("debug", n_layers=2), True),
+    ({"compile_blocks_once": False}, lambda: build_model("debug", n_layers=2), False),
+    ({"backend": "aot_eager"}, lambda: build_model("debug", n_layers=2), False),
+    ({"backend": "aot_eager", "compile_blocks_once": True}, lambda: build_model("debug", n_layers=2), True),
+    ({"compile": False}, lambda: build_model("debug", n_layers=2), False),
+    ({"dynamic": True}, lambda: build_model("debug", n_layers=2), False),
+    ({}, lambda: _own_forward(build_model("debug", n_layers=2)), False),
+    ({}, lambda: nn.Sequential(ReluBlock(), SineBlock(1.0)), False),  # no repeats (the same shapes, not class)
+])
+def test_blocks_are_compiled_once_by_default_where_the_model_allows_it(fake_world, options, build, once):
+    """``compile_blocks_once=None`` (the default) compiles blocks once when Inductor compiles repeated blocks that a
+    region can run; otherwise, and with ``False``, the whole graph, and no error."""
+    assert _compiles_blocks_once(simplefsdp.compile_sharded(build(), **options)) is once
+
+
+def test_tensor_parallel_blocks_are_not_compiled_once_by_default():
+    model = build_model("debug", n_layers=2)
+    blocks = find_blocks(model)
+    assert blocks_once_by_default(model, blocks, tensor_parallel=False, dynamic=False)
+    assert not blocks_once_by_default(model, blocks, tensor_parallel=True, dynamic=False)
