@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from simplefsdp.ir.schedule import read_schedule
+from simplefsdp.ir.schedule import pinned, read_schedule
 from simplefsdp.passes.bucket_copies import all_gather_bucket
 from simplefsdp.passes.gloo_collectives import apply_gloo_collectives, plan_gloo_collectives
+from simplefsdp.passes.rank_guard import insert_agreement
 from tests.ranks import run_on_ranks
 
 functional = torch.ops._c10d_functional
@@ -140,3 +141,35 @@ def test_a_collective_read_unwaited_is_left_as_traced(tmp_path):
         assert plan_gloo_collectives(read_schedule(gm, "forward")) == ()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_guard_pins_each_broadcast_gather_after_the_collective_before_it(tmp_path):
+    """Inductor keeps its own collectives in the graph's order but may move an opaque op to lower its peak memory,
+    differently on ranks whose shards differ in size (a LoRA model's ranks broadcast a bucket on one and token ids on
+    the other: gloo aborted): the guard pins each of ours after the collective before it, and the next after it."""
+    one_gloo_rank(tmp_path)
+    try:
+        group_name = dist.group.WORLD.group_name
+
+        def step(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+            reduced = functional.wait_tensor(functional.all_reduce(first, "sum", group_name))
+            gathered = functional.wait_tensor(functional.all_gather_into_tensor(second, 1, group_name))
+            return reduced.sum() + functional.wait_tensor(functional.all_reduce(gathered, "sum", group_name)).sum()
+
+        gm = rewritten(step, torch.empty(4), torch.empty(3, 2))
+        insert_agreement(gm, read_schedule(gm, "forward"), (group_name,))
+        pins = [(inner_target(node), [inner_target(dep) for dep in node.args[0]]) for node in gm.graph.nodes
+                if pinned(node)]
+        agree, all_reduce = torch.ops.simplefsdp.agree_on_collectives.default, functional.all_reduce.default
+        assert pins == [(all_reduce, [agree]), (by_broadcasts, [agree, all_reduce]),
+                        (all_reduce, [agree, by_broadcasts])]
+    finally:
+        dist.destroy_process_group()
+
+
+def inner_target(node: torch.fx.Node):
+    """The op ``node`` runs, through a pin."""
+    if not pinned(node):
+        return node.target
+    subgraph = getattr(node.graph.owning_module, node.args[1].target).graph
+    return next(inner.target for inner in subgraph.nodes if inner.op == "call_function")

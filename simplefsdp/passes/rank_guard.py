@@ -1,6 +1,6 @@
 """The pass side of the cross-rank guard: one call of ``simplefsdp::agree_on_collectives`` at the top of a compiled
 graph, with the graph's collective signature (``ir.signature``) baked in as a constant, and every collective of the
-graph pinned after it. The op's run-time side is ``runtime/rank_agreement.py``; why: ``ARCHITECTURE.md``, "The
+graph pinned after it (and those Inductor does not know as collectives, after the one before them). The op's run-time side is ``runtime/rank_agreement.py``; why: ``ARCHITECTURE.md``, "The
 cross-rank guard". The pass itself runs no collective.
 """
 
@@ -32,6 +32,18 @@ def insert_agreement(gm: fx.GraphModule, schedule: Schedule, group_names: Sequen
     with fake.fake_mode:
         agree.meta["val"] = torch.ops.simplefsdp.agree_on_collectives(*args)
     by_name = {node.name: node for node in graph.nodes}
-    pin_order(graph, {by_name[node.name]: [agree] for node in schedule.collectives()})
+    collectives = schedule.collectives()
+    after = {by_name[node.name]: [agree] for node in collectives}
+    for previous, node in zip(collectives, collectives[1:]):
+        if not (_known_to_inductor(previous.op) and _known_to_inductor(node.op)):
+            after[by_name[node.name]].append(by_name[previous.name])
+    pin_order(graph, after)
     gm.recompile()
     return agree
+
+
+def _known_to_inductor(op: str) -> bool:
+    """Whether Inductor's scheduler keeps collective ``op`` in the graph's order among the others (its own
+    collectives); one of ours (``runtime/gloo_broadcasts.py``) is pinned between its neighbours instead: Inductor
+    moves an opaque op to lower its peak memory, differently on ranks whose shards differ in size."""
+    return op.startswith("_c10d_functional.")
