@@ -247,7 +247,7 @@ def _own_forward(model: nn.Module) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("options, build, once", [
+@pytest.mark.parametrize("options, make, once", [
     ({}, lambda: build_model("debug", n_layers=2), True),
     ({"compile_blocks_once": False}, lambda: build_model("debug", n_layers=2), False),
     ({"backend": "aot_eager"}, lambda: build_model("debug", n_layers=2), False),
@@ -257,10 +257,10 @@ def _own_forward(model: nn.Module) -> nn.Module:
     ({}, lambda: _own_forward(build_model("debug", n_layers=2)), False),
     ({}, lambda: nn.Sequential(ReluBlock(), SineBlock(1.0)), False),  # no repeats (the same shapes, not class)
 ])
-def test_blocks_are_compiled_once_by_default_where_the_model_allows_it(fake_world, options, build, once):
+def test_blocks_are_compiled_once_by_default_where_the_model_allows_it(fake_world, options, make, once):
     """``compile_blocks_once=None`` (the default) compiles blocks once when Inductor compiles repeated blocks that a
     region can run; otherwise, and with ``False``, the whole graph, and no error."""
-    assert _compiles_blocks_once(simplefsdp.compile_sharded(build(), **options)) is once
+    assert _compiles_blocks_once(simplefsdp.compile_sharded(make(), **options)) is once
 
 
 def test_tensor_parallel_blocks_are_not_compiled_once_by_default():

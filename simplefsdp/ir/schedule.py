@@ -29,7 +29,7 @@ COLLECTIVE_OPS = {
     "_c10d_functional.all_gather_into_tensor.default": ("all_gather", 1, "output"),
     "_c10d_functional.all_gather_into_tensor_coalesced.default": ("all_gather", 1, "output"),
     "_c10d_functional.all_gather_into_tensor_out.default": ("all_gather", 1, "output"),
-    "simplefsdp.all_gather_by_broadcasts.default": ("all_gather", 1, "output"),  # passes/gloo_collectives.py
+    "simplefsdp.all_gather_by_broadcasts.default": ("all_gather", 1, "output"),  # runtime/gloo_broadcasts.py
     "_c10d_functional.reduce_scatter_tensor.default": ("reduce_scatter", 2, "input"),
     "_c10d_functional.reduce_scatter_tensor_coalesced.default": ("reduce_scatter", 2, "input"),
     "_c10d_functional.all_reduce.default": ("all_reduce", None, "input"),

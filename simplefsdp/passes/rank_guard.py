@@ -1,7 +1,8 @@
 """The pass side of the cross-rank guard: one call of ``simplefsdp::agree_on_collectives`` at the top of a compiled
 graph, with the graph's collective signature (``ir.signature``) baked in as a constant, and every collective of the
-graph pinned after it (and those Inductor does not know as collectives, after the one before them). The op's run-time side is ``runtime/rank_agreement.py``; why: ``ARCHITECTURE.md``, "The
-cross-rank guard". The pass itself runs no collective.
+graph pinned after it (one Inductor does not know as a collective, after the one before it too). The op's run-time
+side is ``runtime/rank_agreement.py``; why: ``ARCHITECTURE.md``, "The cross-rank guard". The pass itself runs no
+collective.
 """
 
 from __future__ import annotations
