@@ -6,7 +6,11 @@ compiled, on the same model, batches and ranks (issue 64).
 Each contender (``bench``'s builders: ``local``, the floor, then ``fsdp2-compile`` and ``simplefsdp``) is built,
 warmed up, and timed phase by phase for ``--steps`` steps: forward with the loss, backward, the optimizer step,
 ``zero_grad``. On a CPU every phase ends when its work is done (gloo waits inside it), so the phases add up to the
-step; each is the median over steps of the slowest rank's. One more step runs under torch.profiler, with Inductor's
+step; each is the median over steps of the slowest rank's. Each measured step also reads the CPU time the process
+spent: its main thread's (``time.thread_time``), the main thread idle (the step's wall time less that: waiting for
+another rank or thread, or descheduled), and its other threads' (gloo's, Inductor's workers): the median over
+steps, the mean over ranks. Where ranks fill the cores, no step is shorter than their CPU time summed over ranks
+divided by the cores. One more step runs under torch.profiler, with Inductor's
 kernels recorded by name (``cpp.enable_kernel_profile``), and the main thread's self time in that step is split into:
 compute (everything below not named), copies and casts (``copy_``, ``cat``, ``split``, ``clone``, ``_to_copy`` and
 Inductor kernels made of only those), waits for collectives (``wait_tensor``), issuing collectives (``c10d::*``),
@@ -41,6 +45,7 @@ PHASES = ("forward", "backward", "optimizer", "zero_grad")
 MEMORY_PHASES = ("before the step", "forward", "backward", "optimizer")
 PARTS = ("compute", "copies and casts", "collective waits", "issuing collectives", "rank guard", "FSDP2 hooks",
          "Python and dispatch")
+CPU = ("main thread's CPU", "main thread idle", "other threads' CPU")
 COPIES = ("copy", "cat", "split", "clone", "to_copy", "slice", "view", "permute", "expand", "constant_pad")
 
 
@@ -163,19 +168,25 @@ def rank_main(args: argparse.Namespace) -> None:
         model, optimizer = build(contender, args, workload)
         for step in range(1, args.warmup + 1):
             timed_step(model, optimizer, step_batch(args, workload, tokens, step), device)
-        steps = []
+        steps, cpu = [], []
         for step in range(args.warmup + 1, args.warmup + args.steps + 1):
             dist.barrier()
+            main_thread, process = time.thread_time(), time.process_time()
             steps.append(timed_step(model, optimizer, step_batch(args, workload, tokens, step), device))
+            main_thread, process = time.thread_time() - main_thread, time.process_time() - process
+            cpu.append({"main thread's CPU": main_thread, "other threads' CPU": process - main_thread,
+                        "main thread idle": sum(steps[-1].values()) - main_thread})
         parts = profiled_parts(model, optimizer, step_batch(args, workload, tokens, 0), device)
         memory = memory_at_peak(model, optimizer, step_batch(args, workload, tokens, 0), device)
         everyone = [None] * world
-        dist.all_gather_object(everyone, (steps, parts, memory))
+        dist.all_gather_object(everyone, (steps, parts, memory, cpu))
         slowest = [max((r[0][index] for r in everyone), key=lambda s: sum(s.values())) for index in range(args.steps)]
         phases = {phase: statistics.median(step[phase] for step in slowest) for phase in PHASES}
         rows[name] = {**phases, "step": statistics.median(sum(step.values()) for step in slowest),
                       **{part: statistics.mean(r[1].get(part, 0.0) for r in everyone)
                          for part in (*PARTS, "gloo (its thread)")},
+                      **{key: statistics.mean(statistics.median(step[key] for step in r[3]) for r in everyone)
+                         for key in CPU},
                       "memory": max((r[2] for r in everyone), key=lambda m: sum(m[p] for p in MEMORY_PHASES))}
         del model, optimizer
     if rank == 0:
@@ -195,9 +206,10 @@ def table(rows: dict, args: argparse.Namespace) -> str:
              f"{args.nproc} gloo ranks, AdamW {'foreach' if args.foreach else 'fused'}, torch {torch.__version__}, "
              f"{os.cpu_count()} CPU cores; milliseconds (over the floor)", "",
              "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    for key in ("step", *PHASES, "", *PARTS, "gloo (its thread)"):
-        if not key:
-            lines.append("| *main thread, one profiled step* |" + " |" * len(names))
+    for key in ("step", *PHASES, "cpu", *CPU, "", *PARTS, "gloo (its thread)"):
+        if key in ("", "cpu"):
+            title = "CPU time per measured step, median" if key else "main thread, one profiled step"
+            lines.append(f"| *{title}* |" + " |" * len(names))
             continue
         cells = [f"{rows[name][key] * 1e3:.1f}" + ("" if name == "local" else
                  f" ({(rows[name][key] - floor[key]) * 1e3:+.1f})") for name in names]
