@@ -136,7 +136,7 @@ def memory_at_peak(model, optimizer, batch, device) -> dict[str, float]:
         if not str(event.extra_fields.device).startswith("cpu"):
             continue
         ptr, size = event.extra_fields.ptr, event.extra_fields.alloc_size
-        if ptr in live:  # a free of this block, or (its free unrecorded, as bench's allocation_delta says) a new one
+        if ptr in live:  # a free of this block, or (its free unrecorded: freed on gloo's thread) a new one
             freed, phase = live.pop(ptr)
             by_phase[phase] -= freed
         if size > 0:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from simplefsdp.bench.contenders import CONTENDERS, Contender
-from simplefsdp.bench.profiling import WINDOW, read_profile
+from simplefsdp.bench.profiling import WINDOW, frees_counted_on_every_thread, read_profile
 from simplefsdp.models.workload import Batch, ModelWithLoss, Workload, load_workload, micro_batches
 from simplefsdp.runtime.grad_sync import reduces_every_micro_batch
 from simplefsdp.runtime.mesh import device_type, init_distributed
@@ -24,8 +24,9 @@ from simplefsdp.train import learning_rate
 METHODS = {
     "step_time": "wall time of forward+backward+optimizer step, slowest rank, median and quartiles over the measured "
                  "steps (interleaved across contenders); warm-up: the warm-up steps' total, compilation included",
-    "peak_memory": "CPU: bytes allocated since the contender's copy started being built and not yet freed "
-                   "(torch.profiler memory events), maximum over the profiled step and ranks; CUDA: "
+    "peak_memory": "CPU: bytes allocated since the contender's copy started being built and not yet freed on any "
+                   "thread (c10's count, read from torch.profiler memory events), maximum over the profiled step and "
+                   "ranks; CUDA: "
                    "max_memory_allocated over that step less the bytes allocated before the copy was built",
     "collectives": "c10d::* operator events (process-group calls, barriers excluded) in the profiled step",
     "comm": "summed duration of the backend's own collective events (e.g. gloo:all_gather) in the profiled step, "
@@ -143,7 +144,8 @@ def profile_pass(contender: Contender, args: argparse.Namespace, workload: Workl
 
     gc.collect()
     before = torch.cuda.memory_allocated() if device_type() == "cuda" else 0
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+    with (frees_counted_on_every_thread(),
+          profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof):
         model, optimizer = build(contender, args, workload)
         for step in (1, 2):
             batch = step_batch(args, workload, tokens, step)

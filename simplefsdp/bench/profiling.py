@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import math
+import os
+from typing import Iterator
+
+import torch
 
 WINDOW = "simplefsdp.bench.profiled_step"
 # Bytes a rank sends per byte of its input to a backend collective on n ranks (measure.METHODS["wire"] says how).
@@ -11,9 +17,25 @@ SEND_FACTORS = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: (n - 
                 "broadcast": lambda n: (n - 1) / n}
 
 
+@contextlib.contextmanager
+def frees_counted_on_every_thread() -> Iterator[None]:
+    """Inside, c10's CPU allocator counts in the profiler's ``total_allocated`` the frees of every thread, not only of
+    threads the profiler records: gloo's worker threads free buffers of collectives. The switch is c10's flag
+    ``caffe2_report_cpu_memory_usage`` (private: no Python API sets it), set in ``libc10``."""
+    library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    flag = ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage")
+    previous, flag.value = flag.value, True
+    try:
+        yield
+    finally:
+        flag.value = previous
+
+
 def read_profile(prof, backend: str, world: int) -> dict:
-    """Peak allocated bytes, collectives, communication time, bytes sent (``SEND_FACTORS``, inputs recorded by
-    ``record_shapes``, on ``world`` ranks) and wait times inside the ``WINDOW`` event."""
+    """Peak allocated bytes (of a profile taken inside ``frees_counted_on_every_thread``: what the process allocated
+    since the profile's first allocation, less what it freed on any thread), collectives, communication time, bytes
+    sent (``SEND_FACTORS``, inputs recorded by ``record_shapes``, on ``world`` ranks) and wait times inside the
+    ``WINDOW`` event."""
     from torch._C._profiler import _EventType
 
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -24,12 +46,14 @@ def read_profile(prof, backend: str, world: int) -> dict:
     events.sort(key=lambda event: event.start_time_ns)
     window = next(event for event in events if event.name == WINDOW)
     begin, end = window.start_time_ns, window.end_time_ns
-    live: dict[int, int] = {}
-    allocated = before = peak = collectives = comm_ns = wait_ns = waits = sent = 0
+    first = None
+    before = peak = collectives = comm_ns = wait_ns = waits = sent = 0
     for event in events:
         inside = begin <= event.start_time_ns <= end
         if event.tag == _EventType.Allocation and str(event.extra_fields.device).startswith("cpu"):
-            allocated += allocation_delta(live, event.extra_fields.ptr, event.extra_fields.alloc_size)
+            fields = event.extra_fields
+            first = fields.total_allocated - fields.alloc_size if first is None else first
+            allocated = fields.total_allocated - first
             if event.start_time_ns < begin:
                 before = allocated
             elif inside:
@@ -50,16 +74,6 @@ def read_profile(prof, backend: str, world: int) -> dict:
         "wire_bytes": sent,
         "wait_ms_per_step": wait_ns / 1e6 if waits or not collectives else None,
     }
-
-
-def allocation_delta(live: dict[int, int], ptr: int, size: int) -> int:
-    """Bytes a profiler allocation event adds to what this profile allocated and still holds (frees of earlier
-    blocks count nothing; the event's ``total_allocated`` drifts between profiles). A block allocated at an address
-    still held replaces it: its free went unrecorded (a block freed on another thread, such as gloo's)."""
-    if size > 0:
-        replaced, live[ptr] = live.get(ptr, 0), size
-        return size - replaced
-    return -live.pop(ptr, 0)
 
 
 def sent_bytes(name: str, inputs: list, world: int) -> float:
