@@ -234,3 +234,27 @@ def test_ranks_with_uneven_shards_get_different_aotautograd_cache_keys():
     (torch_rank0, ours_rank0), (torch_rank1, ours_rank1) = (_on_fake_rank(rank, (1, 2), keys) for rank in (0, 1))
     assert torch_rank0 == torch_rank1
     assert ours_rank0 != ours_rank1
+
+
+def test_a_loaded_graph_makes_its_zeros_instead_of_holding_them():
+    """torch rebuilds a pickled GraphModule (a cached compiled-once block's backward) by tracing its code: a factory
+    call (the zeros a slice's backward scatters into) ran for real there and the loaded graph held the tensor."""
+    import pickle
+
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from simplefsdp.runtime.graph_loading import trace_ops_without_proxies_on_load
+
+    def scatter_into_zeros(x):
+        return torch.slice_scatter(torch.zeros(4, 8), x, 1, 0, None, 2)
+
+    graph = make_fx(scatter_into_zeros)(torch.randn(4, 4))
+    trace_ops_without_proxies_on_load()
+    loaded = pickle.loads(pickle.dumps(graph))
+    assert dict(loaded.named_buffers()) == {}
+    assert [node.target for node in loaded.graph.nodes if node.op == "call_function"] == [
+        torch.ops.aten.zeros.default, torch.ops.aten.slice_scatter.default]
+    x = torch.randn(4, 4)
+    assert torch.equal(loaded(x), scatter_into_zeros(x))  # the same ops on the same values: bitwise
+    assert loaded.graph._tracer_cls is graph.graph._tracer_cls  # pickles again as the graph it was loaded from

@@ -33,6 +33,7 @@ from simplefsdp.ir.capture import compiling_regions
 from simplefsdp.runtime.block_regions import without_output_structure_guards
 from simplefsdp.runtime.compiled_call import set_compiled_call
 from simplefsdp.runtime.cpu_isa import check_vector_isas_once_per_machine
+from simplefsdp.runtime.graph_loading import trace_ops_without_proxies_on_load
 from simplefsdp.runtime.hugging_face import graph_break_fix
 from simplefsdp.runtime.mesh import mesh_by_value
 from simplefsdp.runtime.sharded_lookup import agree_on_shapes_every_call
@@ -49,6 +50,7 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
     (``nn.Module._compiled_call_impl``, private) is a frame of ours: Dynamo skips frames of ``torch.nn`` code, so
     ``module.compile()`` would compile nothing of a root ``nn.Sequential`` or ``nn.Linear``."""
     key_caches_by_value()
+    trace_ops_without_proxies_on_load()
 
     def sharded_call(*args, **kwargs):
         return module._call_impl(*args, **kwargs)
