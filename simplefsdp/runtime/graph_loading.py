@@ -3,8 +3,8 @@
 torch 2.13 rebuilds a pickled ``GraphModule`` (one is in each cached AOTAutograd entry of a compiled-once block: its
 backward) by tracing its code with ``Proxy`` operands. A call with no ``Proxy`` operand, a factory (``aten.full``: the
 zeros a slice's backward scatters into), runs for real there, and the loaded graph holds its tensor for the life of
-the process: 0.75 MiB a rank on ``cpu-small``, zeros the size of a block's queries and keys on any model that slices
-them (rotary embeddings). Every rank that loads the graph from the cache holds them; the rank that compiled it does not.
+the process: on ``cpu-small``, whose rotary embedding slices its queries and keys, zeros of their size, 0.75 MiB a
+rank. Every rank that loads the graph from the cache holds them; the rank that compiled it does not.
 """
 
 from __future__ import annotations
