@@ -10,8 +10,8 @@ step; each is the median over steps of the slowest rank's. Each measured step al
 spent: its main thread's (``time.thread_time``), the main thread idle (the step's wall time less that: waiting for
 another rank or thread, or descheduled), and its other threads' (gloo's, Inductor's workers): the median over
 steps, the mean over ranks. Where ranks fill the cores, no step is shorter than their CPU time summed over ranks
-divided by the cores. One more step runs under torch.profiler, with Inductor's
-kernels recorded by name (``cpp.enable_kernel_profile``), and the main thread's self time in that step is split into:
+divided by the cores. One more step runs under torch.profiler, with Inductor's kernels recorded by name
+(``cpp.enable_kernel_profile``), and the main thread's self time in that step is split into:
 compute (everything below not named), copies and casts (``copy_``, ``cat``, ``split``, ``clone``, ``_to_copy`` and
 Inductor kernels made of only those), waits for collectives (``wait_tensor``), issuing collectives (``c10d::*``),
 the rank guard (``simplefsdp::agree_on_collectives``), FSDP2's hooks (its ``FSDP::*`` scopes' own time: Python,
@@ -206,10 +206,10 @@ def table(rows: dict, args: argparse.Namespace) -> str:
              f"{args.nproc} gloo ranks, AdamW {'foreach' if args.foreach else 'fused'}, torch {torch.__version__}, "
              f"{os.cpu_count()} CPU cores; milliseconds (over the floor)", "",
              "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    for key in ("step", *PHASES, "cpu", *CPU, "", *PARTS, "gloo (its thread)"):
-        if key in ("", "cpu"):
-            title = "CPU time per measured step, median" if key else "main thread, one profiled step"
-            lines.append(f"| *{title}* |" + " |" * len(names))
+    for key in ("step", *PHASES, "*CPU time per measured step, median*", *CPU, "*main thread, one profiled step*",
+                *PARTS, "gloo (its thread)"):
+        if key.startswith("*"):  # a heading
+            lines.append(f"| {key} |" + " |" * len(names))
             continue
         cells = [f"{rows[name][key] * 1e3:.1f}" + ("" if name == "local" else
                  f" ({(rows[name][key] - floor[key]) * 1e3:+.1f})") for name in names]

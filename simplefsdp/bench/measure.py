@@ -26,8 +26,8 @@ METHODS = {
                  "steps (interleaved across contenders); warm-up: the warm-up steps' total, compilation included",
     "peak_memory": "CPU: bytes allocated since the contender's copy started being built and not yet freed on any "
                    "thread (c10's count, read from torch.profiler memory events), maximum over the profiled step and "
-                   "ranks; CUDA: "
-                   "max_memory_allocated over that step less the bytes allocated before the copy was built",
+                   "ranks; CUDA: max_memory_allocated over that step less the bytes allocated before the copy was "
+                   "built",
     "collectives": "c10d::* operator events (process-group calls, barriers excluded) in the profiled step",
     "comm": "summed duration of the backend's own collective events (e.g. gloo:all_gather) in the profiled step, "
             "and its share of that step (the profiler slows the step)",
