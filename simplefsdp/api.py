@@ -17,6 +17,7 @@ from simplefsdp.runtime.activation_checkpoint import checkpoint_hugging_face_lay
 from simplefsdp.runtime.agreed_profile import agreed_profile
 from simplefsdp.runtime.block_regions import block_regions_refusal, distinct_blocks
 from simplefsdp.runtime.compiled_call import set_compiled_call
+from simplefsdp.runtime.gloo_exit import settle_gloo_collectives_at_exit
 from simplefsdp.runtime.hugging_face import refuse_saving_shards
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import check_mesh, data_parallel_groups, default_mesh
@@ -148,6 +149,8 @@ def compile_sharded(
         check_read_once(model, compile)
     mesh = mesh if mesh is not None else default_mesh(mode)
     check_mesh(mesh, mode)
+    if mesh.device_type == "cpu":  # gloo: see gloo_exit for torch 2.13's abort at exit it prevents
+        settle_gloo_collectives_at_exit()
     tp_mesh = tensor_parallel_mesh(model, mesh, mode)
     if tp_mesh is not None and quantize is not None:
         raise ValueError("quantize does not support tensor-parallel (DTensor) parameters yet; pass quantize=None "
