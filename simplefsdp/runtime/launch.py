@@ -19,9 +19,10 @@ def is_launched_rank() -> bool:
 
 
 def leave_rank(code: int = 0) -> NoReturn:
-    """End this rank with ``code``, its output flushed, without gloo's teardown or C++ static destructors: with
-    PyTorch 2.13 either aborted a finished rank now and then ("terminate called without an active exception"), which
-    turned a completed run into a failed job. Call it after a barrier, so no rank leaves while another communicates."""
+    """End this rank with ``code``, its output flushed, without the interpreter's finalization or C++ static
+    destructors: with PyTorch 2.13 a gloo worker still releasing a collective then aborted a finished rank now and
+    then ("terminate called without an active exception"; ``gloo_exit`` has the mechanism), which turned a completed
+    run into a failed job. Call it after a barrier, so no rank leaves while another communicates."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
