@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # One rank; the main thread keeps the GIL (a switch interval longer than the run), so gloo's worker, done with the
 # unwaited all-reduce, waits for the GIL to release its tensors (and, issued in backward(), backward()'s stashed
 # context) until the script ends: the race the CI hit after a README example's last step, made certain. Without the
-# exit handler this script aborts with "terminate called without an active exception" (9 runs in 10 on the 2-core
-# machine, where the other one's worker got the GIL while the main thread waited on the enqueue).
+# exit handler this script aborted with "terminate called without an active exception" in 9 runs of 10 on the 2-core
+# machine (in the other, the worker must have got the GIL before the end), hence three runs a case below.
 SCRIPT = """
 import sys
 import torch
@@ -51,7 +51,7 @@ print("done")
 def test_a_rank_whose_gloo_worker_waits_for_the_gil_at_exit_leaves_with_code_0(tmp_path, issued_in):
     (tmp_path / "rank.py").write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    for _ in range(3):  # each run hits the race; three, as a run whose worker got the GIL early proves nothing
+    for _ in range(3):  # a run whose worker got the GIL early proves nothing
         result = subprocess.run([sys.executable, "rank.py", issued_in], cwd=tmp_path, env=env, capture_output=True,
                                 text=True, timeout=120)
         assert (result.returncode, result.stdout) == (0, "done\n"), result.stderr[-2000:]
