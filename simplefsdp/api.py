@@ -59,10 +59,9 @@ DYNAMIC_REGIONS = ("compile_blocks_once with dynamic=True fails in torch 2.13's 
 
 
 def blocks_once_by_default(model: nn.Module, blocks: tuple[str, ...], tensor_parallel: bool, dynamic: bool) -> bool:
-    """Whether ``compile_blocks_once=None`` compiles ``model``'s ``blocks`` once: where two blocks are alike (a region
-    of blocks that differ in a setting, as Hugging Face's ``layer_idx``, is traced for each: slower than the whole
-    graph), and neither tensor parallelism, ``dynamic=True`` nor a refusal (``block_regions_refusal``) rules it out.
-    A fact of the model and the arguments, so the same on every rank."""
+    """Whether ``compile_blocks_once=None`` compiles ``model``'s ``blocks`` once, the same on every rank: where two
+    blocks are alike (a region of blocks that differ in a setting, as Hugging Face's ``layer_idx``, is traced for
+    each: slower than the whole graph) and neither tensor parallelism, ``dynamic=True`` nor a refusal rules it out."""
     return (not tensor_parallel and not dynamic and distinct_blocks(model, blocks) < len(blocks)
             and block_regions_refusal(model, blocks) is None)
 
@@ -101,11 +100,10 @@ def compile_sharded(
     sinks waits. ``blocks`` names the repeated blocks (default: ``find_blocks(model)``). All-reduces (``replicate``,
     ``hybrid_shard``) are merged from per-block units up to DDP's 25 MiB (``"auto"``) or bucketed by bytes as DDP's
     (``"block"``). ``quantize`` (``Quantize``) sends weights and gradients in low-bit formats.
-    ``compile_blocks_once`` compiles the compute of each distinct block once and reuses it for its repeats
-    (``runtime/block_regions.py``): cold compile grows less with depth. ``None`` (default): on where
-    ``blocks_once_by_default`` says (compiled by Inductor, or a fake or meta model, as ``inspect`` traces), and a call
-    a region cannot run runs the block's own forward; ``True``: on, and anything it cannot run is an error; ``False``:
-    the whole graph traced block by block.
+    ``compile_blocks_once`` compiles each distinct block's compute once for its repeats (``runtime/block_regions.py``):
+    cold compile grows less with depth. ``None`` (default): on where ``blocks_once_by_default`` says (compiled by
+    Inductor, or a fake or meta model, as ``inspect`` traces), and a call a region cannot run runs the block's own
+    forward; ``True``: on, and anything it cannot run is an error; ``False``: the whole graph traced block by block.
 
     FSDP x TP: apply ``parallelize_module(model, mesh_2d["tp"], plan)`` first, then pass ``mesh=mesh_2d["dp"]``;
     TP's DTensor parameters are sharded over dp as well, and the passes touch only the data-parallel collectives.
@@ -188,9 +186,8 @@ def compile_sharded(
     if compile_blocks_once and backend == "inductor":
         from simplefsdp.passes.region_inputs import RecomputeRegionInputs
         # Inductor 2.13 reuses a buffer that a later block's region call still reads: wrong norm gradients
-        options = {**(compile_options.get("options") or {}), "allow_buffer_reuse": False,
-                   "joint_custom_pre_pass": RecomputeRegionInputs()}
-        compile_options = {**compile_options, "options": options}
+        compile_options = {**compile_options, "options": {**(compile_options.get("options") or {}),
+                           "allow_buffer_reuse": False, "joint_custom_pre_pass": RecomputeRegionInputs()}}
 
     mp_policy = mp_policy or MixedPrecision()
     replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,

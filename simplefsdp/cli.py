@@ -18,8 +18,7 @@ MODEL_HELP = (f"a reference model ({', '.join(MODEL_NAMES)}), hf:PATH (a Hugging
 
 
 class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends ``(default: X)`` to an option's help, but not to a flag's nor where the default is None (such help
-    says in words what happens without the option)."""
+    """Appends ``(default: X)`` to an option's help but not a flag's, nor a None one (whose help says it in words)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.nargs == 0 or action.default is None:
@@ -115,10 +114,9 @@ def _accumulation(groups: dict) -> None:
     groups["optimizer"].add_argument("--grad-accum", type=int, default=1, metavar="N",
                                      help="micro-batches per optimizer step")
     groups["sharding"].add_argument(
-        "--grad-accum-reduce", choices=("every", "last"), default=None,
-        help="simplefsdp reduces gradients after every micro-batch (sharded gradients accumulate: ZeRO-3 memory) or "
-             "only the last (full local gradients accumulate, one reduction) (default: every for fully_shard, last "
-             "for replicate and hybrid_shard)")
+        "--grad-accum-reduce", choices=("every", "last"), default=None, help="simplefsdp reduces gradients after "
+        "every micro-batch (sharded gradients accumulate: ZeRO-3 memory) or only the last (full local gradients "
+        "accumulate, one reduction) (default: every for fully_shard, last for replicate and hybrid_shard)")
 
 
 def _local_ranks(groups: dict, optimizers: tuple[str, ...]) -> None:
@@ -137,10 +135,9 @@ def _local_ranks(groups: dict, optimizers: tuple[str, ...]) -> None:
 def _replica_sync(groups: dict) -> None:
     """What crosses replica groups (``train --fault-tolerant``, ``inspect --replica-groups``)."""
     group = groups["fault tolerance and replica groups"]
-    group.add_argument("--replica-sync", default="step", choices=SYNC_MODES,
-                       help="between replica groups: average gradients every step (step), exchange DeMo's top "
-                            "momentum components every step with sign-SGD (demo, FlexDeMo), or average "
-                            "pseudo-gradients every --sync-every steps of AdamW (diloco)")
+    group.add_argument("--replica-sync", default="step", choices=SYNC_MODES, help="between replica groups: average "
+                       "gradients every step (step), exchange DeMo's top momentum components every step with sign-SGD "
+                       "(demo, FlexDeMo), or average pseudo-gradients every --sync-every steps of AdamW (diloco)")
     group.add_argument("--sync-every", type=int, default=32, metavar="H", help="with diloco: inner steps per outer")
     group.add_argument("--outer-quantize", default=None, choices=("int8", "int4"), help="with diloco: send the "
                        "pseudo-gradient as int8 or int4 codes, an fp32 scale per 256 (default: fp32)")
@@ -230,10 +227,9 @@ def _inspect(command: argparse.ArgumentParser) -> None:
     groups["fault tolerance and replica groups"].add_argument(
         "--replica-groups", type=int, default=1, metavar="N",
         help="price train --fault-tolerant: groups of --world-size ranks averaging after backward")
-    groups["output"].add_argument("--out", default=None, metavar="DIR",
-                                  help="folder for each stage's graphs, plan.txt, summary.txt, summary.json, "
-                                       "timeline.png (with matplotlib) and trace.json (default: only print the "
-                                       "summary)")
+    groups["output"].add_argument("--out", default=None, metavar="DIR", help="folder for each stage's graphs, "
+                                  "plan.txt, summary.txt, summary.json, timeline.png (with matplotlib) and trace.json "
+                                  "(default: only print the summary)")
     command.set_defaults(module="simplefsdp.inspection")
 
 

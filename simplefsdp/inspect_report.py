@@ -111,26 +111,20 @@ class InspectReport:
                            for node in schedule.collectives()),
             step_seconds=stage.prediction.step_time, exposed_comm_seconds=stage.prediction.exposed_communication,
             peak_bytes=stage.prediction.memory.peak_bytes,
-            tokens_per_second_per_device=self.tokens / stage.prediction.step_time,
-        ) for stage in self.stages]
+            tokens_per_second_per_device=self.tokens / stage.prediction.step_time) for stage in self.stages]
 
     def save(self, directory: str | Path) -> list[Path]:
-        """Write the final graphs (forward.py, backward.py), each stage's graphs (``forward.0-traced.py``, ...),
-        plan.txt, summary.txt, summary.json, trace.json and, when matplotlib is installed, timeline.png;
-        return their paths."""
+        """Write the final graphs (forward.py, backward.py), each stage's (``forward.0-traced.py``, ...), plan.txt,
+        summary.txt, summary.json, trace.json and, when matplotlib is installed, timeline.png; return their paths."""
         folder = Path(directory)
         folder.mkdir(parents=True, exist_ok=True)
         contents = {"forward.py": self.forward.code, "backward.py": self.backward.code}
         for index, stage in enumerate(self.stages):
             for schedule in stage.schedules:
                 contents[f"{schedule.phase}.{index}-{stage.name}.py"] = schedule.code
-        contents.update({
-            "plan.txt": self.plans(),
-            "summary.txt": self.summary(),
-            "summary.json": json.dumps({"stages": self.stage_records(), "fault_tolerant": self.fault_tolerant},
-                                       indent=2) + "\n",
-            "trace.json": chrome_trace(self.schedules, self.prediction, self.hardware),
-        })
+        contents.update({"plan.txt": self.plans(), "summary.txt": self.summary(), "summary.json": json.dumps(
+            {"stages": self.stage_records(), "fault_tolerant": self.fault_tolerant}, indent=2) + "\n",
+            "trace.json": chrome_trace(self.schedules, self.prediction, self.hardware)})
         for name, text in contents.items():
             (folder / name).write_text(text)
         paths = [folder / name for name in contents]

@@ -79,12 +79,11 @@ def inspect(
     ``activation_checkpointing`` (``none``, ``selective``, ``full``) checkpoints each of ``model.layers`` as ``train``.
     ``loss_fn(output, *example_inputs)`` (``loss_fn(output, target)`` with a ``target``), when given, is traced after
     the model, so the step includes its loss. A Hugging Face model is traced with ``use_cache=False`` (a note says so).
-    ``replica_groups`` > 1 prices ``train --fault-tolerant``: that many groups of ``world_size`` ranks exchanging
-    after backward as ``replica_sync`` says (``replica_sync_price``'s keywords; default: averaging gradient shards).
-    ``tp`` > 1 prices FSDP x TP on a ``(world_size // tp, tp)`` mesh: ``parallelize_module`` with ``tp_plan``
-    (default: the reference Llama's, ``models/llama_tp.py``) over tp, then ``fully_shard`` over dp.
-    ``compile_blocks_once``: as ``compile_sharded``'s (``None``: the regions its default compiles), and each
-    distinct block is traced once.
+    ``replica_groups`` > 1 prices ``train --fault-tolerant``: that many groups of ``world_size`` ranks exchanging after
+    backward as ``replica_sync`` says (``replica_sync_price``'s keywords; default: averaging gradient shards).
+    ``tp`` > 1 prices FSDP x TP on a ``(world_size // tp, tp)`` mesh: ``parallelize_module`` with ``tp_plan`` (default:
+    the reference Llama's, ``models/llama_tp.py``) over tp, then ``fully_shard`` over dp. ``compile_blocks_once``: as
+    ``compile_sharded``'s (``None``: the regions its default compiles), and each distinct block is traced once.
     """
     profile = get_profile(hardware)
     world_size = 1 if world_size is None else world_size

@@ -60,16 +60,12 @@ def check_arguments(args: argparse.Namespace) -> None:
         fail(str(error))
     if args.plot and (reason := plots.missing()):
         fail(f"--plot {args.plot}: {reason}")
-    if args.fault_tolerant and (reason := fault_tolerant_problem(args)):
-        fail(reason)
     if args.replica_sync != "step" and not args.fault_tolerant:
         fail(f"--replica-sync {args.replica_sync} is what crosses replica groups: add --fault-tolerant")
-    if args.tp != 1 and (reason := tensor_parallel_problem(args)):
-        fail(reason)
-    if args.optimizer == "galore" and (reason := galore_problem(args)):
-        fail(reason)
-    if args.precompile and (reason := precompile_problem(args)):
-        fail(reason)
+    for applies, problem in ((args.fault_tolerant, fault_tolerant_problem), (args.tp != 1, tensor_parallel_problem),
+                             (args.optimizer == "galore", galore_problem), (args.precompile, precompile_problem)):
+        if applies and (reason := problem(args)):
+            fail(reason)
 
 
 def workload_problem(args: argparse.Namespace) -> str | None:
@@ -186,11 +182,10 @@ def build(args: argparse.Namespace, workload: Workload) -> torch.nn.Module:
         mesh = mesh_2d["dp"]
     apply_activation_checkpointing(blocks(model), args.activation_checkpointing)
     compile_sharded(
-        model, mesh=mesh, mode=args.mode, mp_policy=mixed_precision_option(args),
-        reshard_after_forward=args.reshard_after_forward, compile=args.compile, backend=args.backend,
-        buckets=args.buckets, reorder=args.reorder, prefetch=args.prefetch, memory_budget=args.memory_budget,
-        quantize=quantize_option(args), compile_blocks_once=args.compile_blocks_once, precompile=args.precompile,
-    )
+        model, mesh=mesh, mode=args.mode, mp_policy=mixed_precision_option(args), compile=args.compile,
+        reshard_after_forward=args.reshard_after_forward, backend=args.backend, buckets=args.buckets,
+        reorder=args.reorder, prefetch=args.prefetch, memory_budget=args.memory_budget, quantize=quantize_option(args),
+        compile_blocks_once=args.compile_blocks_once, precompile=args.precompile)
     if args.init_on_meta:
         torch.manual_seed(args.seed)
         materialize_sharded(model)
@@ -209,10 +204,9 @@ def build_optimizer(args: argparse.Namespace, model: torch.nn.Module, width: int
                       outer_momentum=args.outer_momentum, outer_quantize=args.outer_quantize, fused=True)
     if args.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
-    rank = args.galore_rank or width // 4
-    return GaLoreAdamW(model.parameters(), lr=lr, rank=rank, update_every=args.galore_update_every,
-                       seed=args.seed, projector_dtype=dtype_named(args.galore_projector_dtype),
-                       shard_projector=args.galore_shard_projector)
+    return GaLoreAdamW(model.parameters(), lr=lr, rank=args.galore_rank or width // 4, seed=args.seed,
+                       update_every=args.galore_update_every, shard_projector=args.galore_shard_projector,
+                       projector_dtype=dtype_named(args.galore_projector_dtype))
 
 
 def learning_rate(lr: float | None, optimizer: str) -> float:
@@ -276,9 +270,7 @@ def train(args: argparse.Namespace) -> None:
             loss_sum += loss.detach()
         if replicas:
             replicas.average_gradients()
-        grad_note = ""
-        if args.max_norm is not None:
-            grad_note = f"  grad norm {clip_grad_norm_(model, args.max_norm).item():.3f}"
+        grad_note = "" if args.max_norm is None else f"  grad norm {clip_grad_norm_(model, args.max_norm).item():.3f}"
         if replicas:
             committed = replicas.step_optimizer(step)
         else:

@@ -43,8 +43,7 @@ METHODS = {
 def build(contender: Contender, args: argparse.Namespace, workload: Workload
           ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model built from ``--seed`` and wrapped by ``contender``, with its optimizer."""
-    model = workload.build(args.seed).to(device_type())
-    model = contender.wrap(ModelWithLoss(model, workload.loss), args)
+    model = contender.wrap(ModelWithLoss(workload.build(args.seed).to(device_type()), workload.loss), args)
     implementation = {"foreach": True} if args.foreach else {"fused": True}  # fused: as train, torchtitan's default
     return model, torch.optim.AdamW(model.parameters(), lr=learning_rate(args.lr, "adamw"), **implementation)
 
@@ -105,8 +104,7 @@ class TimedRun:
         batch = step_batch(self.args, self.workload, self.tokens, step)
         dist.barrier()
         start = time.perf_counter()
-        self.losses.append(train_step(self.model, self.optimizer, batch,
-                                      *accumulation(self.contender, self.args)))
+        self.losses.append(train_step(self.model, self.optimizer, batch, *accumulation(self.contender, self.args)))
         self.times.append(time.perf_counter() - start)
 
     def warm_up(self) -> None:
@@ -127,15 +125,11 @@ class TimedRun:
         measured = step_times[self.args.warmup:]
         median = statistics.median(measured)
         q1, _, q3 = statistics.quantiles(measured, n=4) if len(measured) > 1 else (median,) * 3
-        return {
-            "warmup_s": sum(step_times[:self.args.warmup]),
-            "step_times_s": measured,
-            "step_time_s": {"median": median, "q1": q1, "q3": q3, "min": min(measured), "max": max(measured)},
-            "tokens_per_s_per_rank": self.args.batch_size * self.args.grad_accum * self.args.seq_len / median,
-            "losses": rank_losses.mean(dim=0).tolist(),
-            "last_loss": rank_losses[:, -1].mean().item(),
-            "last_loss_per_rank": rank_losses[:, -1].tolist(),
-        }
+        return {"warmup_s": sum(step_times[:self.args.warmup]), "step_times_s": measured,
+                "step_time_s": {"median": median, "q1": q1, "q3": q3, "min": min(measured), "max": max(measured)},
+                "tokens_per_s_per_rank": self.args.batch_size * self.args.grad_accum * self.args.seq_len / median,
+                "losses": rank_losses.mean(dim=0).tolist(), "last_loss": rank_losses[:, -1].mean().item(),
+                "last_loss_per_rank": rank_losses[:, -1].tolist()}
 
 
 def profile_pass(contender: Contender, args: argparse.Namespace, workload: Workload, tokens: torch.Tensor) -> dict:
@@ -225,10 +219,9 @@ def measure(args: argparse.Namespace) -> dict | None:
         **{option: getattr(args, option) for option in ("model", "steps", "warmup", "batch_size", "seq_len", "seed",
                                                           "grad_accum", "grad_accum_reduce", "param_dtype",
                                                           "reduce_dtype")},
-        "parameters": sum(p.numel() for p in shapes.parameters()),
-        "compile_backend": args.backend, "optimizer": f"AdamW(lr={learning_rate(args.lr, 'adamw')}, {'foreach' if args.foreach else 'fused'}=True)",
-        "methods": METHODS,
-        "rows": list(rows.values()),
+        "parameters": sum(p.numel() for p in shapes.parameters()), "compile_backend": args.backend,
+        "optimizer": f"AdamW(lr={learning_rate(args.lr, 'adamw')}, {'foreach' if args.foreach else 'fused'}=True)",
+        "methods": METHODS, "rows": list(rows.values()),
     }
 
 

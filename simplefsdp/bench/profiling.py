@@ -66,14 +66,9 @@ def read_profile(prof, backend: str, world: int) -> dict:
         elif inside and event.name == "_c10d_functional::wait_tensor":
             waits += 1
             wait_ns += event.duration_time_ns
-    return {
-        "profiled_step_ms": (end - begin) / 1e6,
-        "peak_bytes": max(before, peak),
-        "collectives_per_step": collectives,
-        "comm_ms_per_step": comm_ns / 1e6,
-        "wire_bytes": sent,
-        "wait_ms_per_step": wait_ns / 1e6 if waits or not collectives else None,
-    }
+    return {"profiled_step_ms": (end - begin) / 1e6, "peak_bytes": max(before, peak),
+            "collectives_per_step": collectives, "comm_ms_per_step": comm_ns / 1e6, "wire_bytes": sent,
+            "wait_ms_per_step": wait_ns / 1e6 if waits or not collectives else None}
 
 
 def sent_bytes(name: str, inputs: list, world: int) -> float:

@@ -92,12 +92,9 @@ def format_table(results: dict) -> str:
                  "—" if ref is None else f"{row['last_loss'] - ref['last_loss']:+.2e}")
         cells = [
             name, f"{median:.4f}", f"{row['step_time_s']['q1']:.4f}–{row['step_time_s']['q3']:.4f}",
-            _ratio(median, ref and ref["step_time_s"]["median"]),
-            _ratio(median, compiled and compiled["step_time_s"]["median"]),
-            _ratio(median, local and local["step_time_s"]["median"]),
+            *(_ratio(median, other and other["step_time_s"]["median"]) for other in (ref, compiled, local)),
             f"{row['tokens_per_s_per_rank']:,.0f}", f"{peak / 2**20:.1f}",
-            _ratio(peak, ref and ref["peak_bytes_per_rank"]),
-            str(row["collectives_per_step"]), _wire(row, ref),
+            _ratio(peak, ref and ref["peak_bytes_per_rank"]), str(row["collectives_per_step"]), _wire(row, ref),
             _share(row["comm_ms_per_step"], row), _share(row["wait_ms_per_step"], row),
             f"{row['warmup_s']:.1f}", f"{row['last_loss']:.6f}", delta,
         ]

@@ -2,8 +2,7 @@
 
 AOTAutograd runs with Inductor's decompositions and min-cut partitioner, so the split, checkpoint tags, saved tensors,
 collectives and their order are an Inductor compile's; Inductor's post-grad pattern passes are not run, so elementwise
-ops stay unfused. On meta or fake tensors nothing is allocated. The private APIs used here are in ``ARCHITECTURE.md``'s
-table."""
+ops stay unfused. On meta or fake tensors nothing is allocated. Private APIs used: ``ARCHITECTURE.md``'s table."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import functools
 import gc
 from dataclasses import dataclass
 from typing import Callable, Iterator
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -45,17 +45,11 @@ def cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-@contextlib.contextmanager
-def _real_tensors_made_fake() -> Iterator[None]:
+def _real_tensors_made_fake() -> contextlib.AbstractContextManager:
     """Inside, a real tensor an op meets while tracing becomes a fake one, as Dynamo does for a function it treats as a
     leaf: indexing a meta tensor by a list (Falcon's ``qkv[:, :, :, [-2]]``) makes the index a real meta tensor,
     which the fake mode refuses otherwise. Tracing runs nothing, so no data is read."""
-    before = fake_tensor_tls.allow_non_fake_inputs_override
-    fake_tensor_tls.allow_non_fake_inputs_override = True
-    try:
-        yield
-    finally:
-        fake_tensor_tls.allow_non_fake_inputs_override = before
+    return mock.patch.object(fake_tensor_tls, "allow_non_fake_inputs_override", True)
 
 
 @dataclass
@@ -77,11 +71,10 @@ class _BothGraphsCaptured(Exception):
 def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: bool = True,
                    dynamic: bool = False, joint_pass: Callable[[fx.GraphModule], object] | None = None
                    ) -> CapturedGraphs:
-    """Trace ``model`` on ``example_inputs`` as ``torch.compile`` does and return its graphs, without running them.
-
-    With ``fused_attention`` an unmasked ``scaled_dot_product_attention`` is traced as the flash kernel a GPU runs,
-    even on meta tensors; with ``dynamic`` the inputs' sizes are traced as symbols. Raises ``TraceError`` naming the
-    fix when the forward does not trace as one graph."""
+    """Trace ``model`` on ``example_inputs`` as ``torch.compile`` does and return its graphs, without running them. With
+    ``fused_attention`` an unmasked ``scaled_dot_product_attention`` is traced as the flash kernel a GPU runs, even on
+    meta tensors; with ``dynamic`` the inputs' sizes are traced as symbols. Raises ``TraceError`` naming the fix when
+    the forward does not trace as one graph."""
     graphs: dict[str, fx.GraphModule] = {}
     dynamo_inputs: list[str | None] = []
     names = {id(param): name for name, param in model.named_parameters()}
@@ -119,10 +112,9 @@ def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: 
 def fx_backend(on_graph: Callable[[str, fx.GraphModule], None] | None = None,
                on_inputs: Callable[[list], None] | None = None, *, fused_attention: bool = False,
                joint_pass: Callable[[fx.GraphModule], object] | None = None) -> Callable:
-    """A ``torch.compile`` backend: AOTAutograd split as Inductor does it, graphs run as plain FX.
-
-    ``on_graph(phase, gm)`` sees the forward and the backward graph, ``on_inputs`` Dynamo's example inputs. Used
-    bare, it runs exactly the graphs ``inspect`` prices (how the cpu calibration measures them)."""
+    """A ``torch.compile`` backend: AOTAutograd split as Inductor does it, graphs run as plain FX. ``on_graph`` sees
+    the forward and the backward graph as ``(phase, gm)``, ``on_inputs`` Dynamo's example inputs. Used bare, it runs
+    exactly the graphs ``inspect`` prices (how the cpu calibration measures them)."""
 
     def compile_graph(phase: str, gm: fx.GraphModule, _inputs) -> Callable:
         if on_graph is not None:
@@ -171,10 +163,9 @@ def compiling_regions(gm: fx.GraphModule) -> Iterator[None]:
 
 def _inline_gather_regions(gm: fx.GraphModule) -> None:
     """Replace each call of a region that takes a DTensor (``runtime/block_regions.py``: a block's gathers, traced
-    once by Dynamo) by the region's nodes, named by the calling block (``nn_module_stack``, checkpoint bodies
-    included): its collectives join the outer graph, where the passes bucket and reorder them as if traced per
-    block, and AOTAutograd sees no region with DTensor inputs, which it cannot partition. The clones the region returns
-    are dropped: each output is the tensor it clones."""
+    once by Dynamo) by the region's nodes, named by the calling block (``nn_module_stack``, checkpoint bodies included):
+    its collectives join the outer graph, where the passes bucket and reorder them as if traced per block, and
+    AOTAutograd sees no region with DTensor inputs, which it cannot partition. A returned clone becomes its source."""
     calls = [node for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
              if any(isinstance(arg, fx.Node) and isinstance(arg.meta.get("example_value"), DTensor)
                     for arg in node.args[2:])]
@@ -195,8 +186,10 @@ def _inline_gather_regions(gm: fx.GraphModule) -> None:
                 elif node.op not in ("placeholder", "output"):
                     values[node] = gm.graph.node_copy(node, values.__getitem__)
                     values[node].meta["nn_module_stack"] = stack
-        for user in list(call.users):
-            user.replace_all_uses_with(values[_cloned(clones[user.args[1]])])
+        for user in list(call.users):  # a region returns clones: it may not return a view of its input
+            out = clones[user.args[1]]
+            assert out.target in ("clone", torch.clone), f"a gather region returns clones, not {out.format_node()}"
+            user.replace_all_uses_with(values[out.args[0]])
             gm.graph.erase_node(user)
         gm.graph.erase_node(call)
     for node in regions:
@@ -204,12 +197,6 @@ def _inline_gather_regions(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
     if calls:
         gm.recompile()
-
-
-def _cloned(output: fx.Node) -> fx.Node:
-    """What a gather region's ``output`` clones (it returns clones: a region may not return a view of its input)."""
-    assert output.target in ("clone", torch.clone), f"a gather region returns clones, not {output.format_node()}"
-    return output.args[0]
 
 
 def _with_module_stack(module: fx.GraphModule, stack: dict | None) -> fx.GraphModule:
@@ -240,11 +227,8 @@ def _region_schemas_traced_once() -> Iterator[None]:
             cache.add_functionalize_schema_entry(key, schema)
         return schema
 
-    InvokeSubgraphHOP.gen_schema = gen_schema
-    try:
+    with mock.patch.object(InvokeSubgraphHOP, "gen_schema", gen_schema):
         yield
-    finally:
-        InvokeSubgraphHOP.gen_schema = generate
 
 
 @contextlib.contextmanager
@@ -269,7 +253,6 @@ def _composites_differentiable_on_meta() -> Iterator[None]:
 
 def run_boxed(gm: fx.GraphModule) -> Callable[[list], object]:
     """Run ``gm`` by ``fx.Interpreter`` with the boxed calling convention, freeing tensors as early as Inductor does.
-
     A fresh interpreter per call: one keeps the values of its last run (the forward's saved tensors) until the next.
     On fake inputs the graph runs in their ``FakeTensorMode``, so its factory ops allocate nothing either."""
 

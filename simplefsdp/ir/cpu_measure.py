@@ -1,8 +1,7 @@
 """What measures the ``cpu`` hardware profile: this CPU as a 2-rank gloo job uses it, each rank with half the cores.
 
 ``hardware.measure_cpu_profile`` starts the two ranks as fresh interpreters of this module
-(``python -m simplefsdp.ir.cpu_measure FOLDER RANK``), so the script that asked is never re-run.
-"""
+(``python -m simplefsdp.ir.cpu_measure FOLDER RANK``), so the script that asked is never re-run."""
 
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ def _matmul_rate(dtype: torch.dtype) -> float:
     """Median FLOP/s of linear-layer matmuls (``x @ w.T``) of 256 to 1024 wide: what small models run."""
     rates = []
     for size in (256, 512, 1024):
-        x = torch.randn(512, size, dtype=dtype)
-        w = torch.randn(2 * size, size, dtype=dtype)
+        x, w = torch.randn(512, size, dtype=dtype), torch.randn(2 * size, size, dtype=dtype)
         rates.append(2 * 512 * size * 2 * size / _median_seconds(lambda: torch.mm(x, w.t())))
     return statistics.median(rates)
 
@@ -99,8 +97,7 @@ def _gloo_alpha_beta() -> tuple[float, float]:
     compute = _median_seconds(lambda: torch.mm(a, b), repeats=9)
     times = []
     for size in sizes:
-        shard = torch.ones(size // 4 // ranks, dtype=torch.float32)
-        output = torch.empty(size // 4, dtype=torch.float32)
+        shard, output = torch.ones(size // 4 // ranks, dtype=torch.float32), torch.empty(size // 4, dtype=torch.float32)
 
         def step() -> None:
             torch.mm(a, b)

@@ -19,9 +19,8 @@ _BOUND_FORWARD = re.compile(r"\.forward(?:\.args\.0)?\.__self__(?=\.|$)")
 
 
 def parse_module_path(path: str) -> str:
-    """Turn a Dynamo or export module path into a plain FQN: ``L['fn'].layers.0.attn`` → ``layers.0.attn``.
-
-    Wrapper names such as ``_orig_mod`` are dropped; the root alone gives ``""``."""
+    """Turn a Dynamo or export module path into a plain FQN: ``L['fn'].layers.0.attn`` → ``layers.0.attn``; wrapper
+    names such as ``_orig_mod`` are dropped, the root alone gives ``""``."""
     rest = _ROOT.sub("", path.strip())
     rest = _BOUND_FORWARD.sub("", _SUBSCRIPT.sub(lambda match: "." + match.group(2), rest))
     return ".".join(part for part in rest.split(".") if part and part not in _WRAPPERS)

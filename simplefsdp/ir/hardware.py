@@ -2,11 +2,11 @@
 
 ``h100`` and ``a100`` are datasheet figures at the efficiency NCCL and cuBLAS reach in practice; ``cpu`` is measured
 on this machine (``cpu_measure``) and cached under ``~/.cache/simplefsdp/`` (``SIMPLEFSDP_CACHE``). Describe your own
-cluster as ``HardwareProfile(...)`` or as a JSON file with the same fields and pass its path.
-"""
+cluster as ``HardwareProfile(...)`` or as a JSON file with the same fields and pass its path."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -26,12 +26,10 @@ from simplefsdp.names import PROFILE_NAMES
 @dataclass(frozen=True)
 class HardwareProfile:
     """What one accelerator and its links sustain; bandwidths in bytes/s, latencies and overheads in seconds.
-
     ``flops_per_s`` maps a dtype name (``"bfloat16"``) to the dense matmul rate reached, ``peak_flops_per_s`` to the
     data-sheet peak (MFU's denominator; empty for a measured profile). ``intra_node_bandwidth`` is the NCCL bus
-    bandwidth within a node, ``inter_node_bandwidth`` that of one accelerator's network link. ``dispatch_overhead``
-    is the host's cost of every graph node, views included (0 where the host runs ahead, as on GPUs).
-    """
+    bandwidth within a node, ``inter_node_bandwidth`` that of one accelerator's network link. ``dispatch_overhead`` is
+    the host's cost of every graph node, views included (0 where the host runs ahead, as on GPUs)."""
 
     name: str
     flops_per_s: dict[str, float]
@@ -73,15 +71,14 @@ def _datasheet_gpu(name: str, peak: dict[str, float], hbm: float, nvlink: float,
     )
 
 
-# NVIDIA H100 SXM5 80GB: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no TF32), 3.35 TB/s HBM3 (datasheet).
-# NVLink 4 is 450 GB/s per direction; NCCL's effective bus bandwidth over it is ~370 GB/s
-# (NVIDIA, github.com/NVIDIA/nccl-tests/issues/212). One 400 Gb/s NDR NIC per GPU gives
-# 46-48 GB/s through NCCL (NVIDIA, github.com/NVIDIA/nccl-tests/issues/290).
+# NVIDIA H100 SXM5 80GB: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no TF32), 3.35 TB/s HBM3 (datasheet). NVLink 4:
+# 450 GB/s per direction, ~370 GB/s NCCL bus bandwidth (NVIDIA, github.com/NVIDIA/nccl-tests/issues/212); one 400 Gb/s
+# NDR NIC per GPU: 46-48 GB/s through NCCL (NVIDIA, github.com/NVIDIA/nccl-tests/issues/290).
 H100 = _datasheet_gpu("h100", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, hbm=3.35e12, nvlink=370e9,
                       nic=47e9, intra_node_latency=1e-6, inter_node_latency=4e-6, collective_latency=10e-6,
                       kernel_overhead=2e-6)
-# NVIDIA A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 TFLOP/s fp32, 2.04 TB/s HBM2e; NVLink 3
-# at 300 GB/s per direction (~230 GB/s NCCL bus bandwidth), one 200 Gb/s HDR NIC per GPU.
+# NVIDIA A100 SXM4 80GB: 312 TFLOP/s dense bf16, 19.5 TFLOP/s fp32, 2.04 TB/s HBM2e; NVLink 3 at 300 GB/s per direction
+# (~230 GB/s NCCL bus bandwidth), one 200 Gb/s HDR NIC per GPU.
 A100 = _datasheet_gpu("a100", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}, hbm=2.04e12, nvlink=230e9,
                       nic=23e9, intra_node_latency=1.5e-6, inter_node_latency=5e-6, collective_latency=12e-6,
                       kernel_overhead=3e-6)
@@ -130,10 +127,8 @@ def cpu_profile() -> HardwareProfile:
     measures (~10 s, ``cpu_measure``), says so in one line on stderr, and writes the cache atomically."""
     key = f"{platform.node()}-{os.cpu_count()}cores-torch{torch.__version__}".replace(os.sep, "_")
     path = CACHE_DIR / f"cpu-{key}.json"
-    try:
+    with contextlib.suppress(OSError, TypeError, ValueError):  # none yet, or written by a version with other fields
         return load_profile(path)
-    except (OSError, TypeError, ValueError):  # none yet, or written by a version with other fields: measure again
-        pass
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         writable = os.access(path.parent, os.W_OK)
@@ -161,8 +156,10 @@ def measure_cpu_profile(timeout: float = 300.0) -> HardwareProfile:
         logs = [open(Path(folder, f"rank{rank}.log"), "w") for rank in range(MEASURING_RANKS)]
         ranks = [subprocess.Popen([sys.executable, "-m", "simplefsdp.ir.cpu_measure", folder, str(rank)], env=env,
                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log) for rank, log in enumerate(logs)]
-        try:
-            codes = _wait_all(ranks, time.monotonic() + timeout)
+        try:  # until both exit, one fails or the timeout passes (then None for a rank still running)
+            deadline = time.monotonic() + timeout
+            while None in (codes := [rank.poll() for rank in ranks]) and not any(codes) and time.monotonic() < deadline:
+                time.sleep(0.05)
         finally:
             for process in ranks:
                 if process.poll() is None:
@@ -177,12 +174,3 @@ def measure_cpu_profile(timeout: float = 300.0) -> HardwareProfile:
                                f"{timeout:.0f} s); rank {failed} said:\n{tail}\nPass buckets='block' to "
                                "compile_sharded to plan without a profile")
         return load_profile(Path(folder, "profile.json"))
-
-
-def _wait_all(processes: list[subprocess.Popen], deadline: float) -> list[int | None]:
-    """Exit codes once all exited, or once one failed or ``deadline`` passed (then None for those still running)."""
-    while True:
-        codes = [process.poll() for process in processes]
-        if None not in codes or any(codes) or time.monotonic() > deadline:
-            return codes
-        time.sleep(0.05)

@@ -65,7 +65,7 @@ class _Liveness:
     def __init__(self) -> None:
         self.root: dict[str, str] = {}
         self.storages: dict[str, _Storage] = {}
-        self.held: dict[str, _Storage] = {}
+        self.held: dict[str, int] = defaultdict(int)  # bytes alive for the whole step, by category
         self.allocated_at: dict[int, list[str]] = defaultdict(list)
         self.labels: list[str] = []
         self.step = 0
@@ -73,7 +73,7 @@ class _Liveness:
     def hold(self, key: str, size: float, category: str) -> None:
         """A storage alive for the whole step."""
         self.root[key] = key
-        self.held[key] = _Storage(int(size), category, -1)
+        self.held[category] += int(size)
 
     def allocate(self, key: str, size: float, category: str) -> None:
         """A storage allocated at the current step."""
@@ -114,9 +114,7 @@ class _Liveness:
         freed_at: dict[int, list[str]] = defaultdict(list)
         for key, storage in self.storages.items():
             freed_at[storage.last_use].append(key)
-        live: dict[str, int] = defaultdict(int)
-        for storage in self.held.values():
-            live[storage.category] += storage.bytes
+        live: dict[str, int] = defaultdict(int, self.held)
         peak, peak_at, split, curve = -1, "", {}, []
         for step, label in enumerate(self.labels):
             for key in self.allocated_at[step]:

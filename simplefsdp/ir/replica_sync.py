@@ -12,8 +12,7 @@ from simplefsdp.optim.diloco import packed_bytes
 
 
 def replica_sync_problem(sync: str = "step", outer_quantize: str | None = None, **price_options) -> str | None:
-    """Why ``replica_sync_price``'s keywords (the ``--replica-sync`` flags) do not go together, with the fix, or
-    None."""
+    """Why ``replica_sync_price``'s keywords (the ``--replica-sync`` flags) clash, with the fix; or None."""
     if outer_quantize and sync != "diloco":
         return (f"--outer-quantize {outer_quantize} is for --replica-sync diloco's pseudo-gradient; drop it or pass "
                 "--replica-sync diloco")
@@ -23,10 +22,9 @@ def replica_sync_problem(sync: str = "step", outer_quantize: str | None = None, 
 def replica_sync_price(shards: list[torch.Tensor], groups: int, world_size: int, hardware: HardwareProfile,
                        sync: str = "step", sync_every: int = 32, chunk: int = 64, top_k: int = 32,
                        outer_quantize: str | None = None) -> dict:
-    """The exchange between ``groups`` replica groups of ``world_size`` ranks for one rank's gradient ``shards``:
-    ``step`` all-reduces them every step, ``demo`` all-gathers DeMo's top-``top_k`` components per chunk every step,
-    ``diloco`` all-reduces the pseudo-gradient every ``sync_every`` steps (all-gathers its packed blocks with
-    ``outer_quantize``)."""
+    """The exchange between ``groups`` replica groups of ``world_size`` ranks for one rank's gradient ``shards``: each
+    step, ``step`` all-reduces them, ``demo`` all-gathers DeMo's top-``top_k`` components per chunk; ``diloco``
+    all-reduces the pseudo-gradient every ``sync_every`` steps (with ``outer_quantize``: all-gathers packed blocks)."""
     ranks = tuple(range(0, groups * world_size, world_size))  # this rank's peers: the same rank of every group
     every = sync_every if sync == "diloco" else 1
     if sync == "demo" or outer_quantize:

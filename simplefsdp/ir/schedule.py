@@ -22,9 +22,7 @@ from simplefsdp.ir.fqn import node_fqn
 
 COMPUTE, COLLECTIVE, WAIT = "compute", "collective", "wait"
 
-_functional = torch.ops._c10d_functional
-# Collective op, by name (an op of ours needs no import here) → (kind, index of the group-size argument or None, which
-# buffer is the full size).
+# Collective op by name (ours need no import) → (kind, index of the group-size argument or None, which buffer is full).
 COLLECTIVE_OPS = {
     "_c10d_functional.all_gather_into_tensor.default": ("all_gather", 1, "output"),
     "_c10d_functional.all_gather_into_tensor_coalesced.default": ("all_gather", 1, "output"),
@@ -190,11 +188,9 @@ def pinned(fx_node: fx.Node) -> bool:
 
 
 def _call(fx_node: fx.Node) -> _Call:
-    """What ``fx_node`` runs. A node pinned by Inductor's ``control_deps`` (``passes.inductor_internals.pin_order``)
-    runs the one op of its subgraph; that op is returned with the pinned node's arguments. A node wrapped to replay
-    its random numbers runs the wrapped op."""
-    if fx_node.target in _RNG_WRAPPERS:
-        index = _RNG_WRAPPERS[fx_node.target]
+    """What ``fx_node`` runs; for a ``pinned`` node, the one op of its subgraph (with the pinned node's arguments); for
+    a node wrapped to replay its random numbers, the wrapped op."""
+    if (index := _RNG_WRAPPERS.get(fx_node.target)) is not None:
         kwargs = {name: value for name, value in fx_node.kwargs.items() if name != "rng_state"}
         return _Call(fx_node.args[index], fx_node.args[index + 1:], kwargs)
     if not pinned(fx_node):
@@ -216,7 +212,7 @@ def _read_node(fx_node: fx.Node, fqns: dict[str, str], regions: dict) -> Schedul
     target = call.target
     op = str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
     common = dict(name=fx_node.name, op=op, fqn=fqn, inputs=inputs)
-    if target is _functional.wait_tensor.default:
+    if target is torch.ops._c10d_functional.wait_tensor.default:
         source = call.args[0]
         while source.target is operator.getitem:  # a tuple item: the wait belongs to the collective that made it
             source = source.args[0]
@@ -234,8 +230,7 @@ def _read_node(fx_node: fx.Node, fqns: dict[str, str], regions: dict) -> Schedul
 
 
 def _read_region(fx_node: fx.Node, call: _Call, common: dict, regions: dict) -> ScheduleNode:
-    """A call of a block compiled once: its subgraph's nodes as ``parts`` (read once per subgraph, into
-    ``regions``), their FLOPs and bytes summed."""
+    """A block compiled once: its subgraph's nodes (read once, into ``regions``) as ``parts``, their costs summed."""
     subgraph = getattr(fx_node.graph.owning_module, call.args[0].target)
     if subgraph not in regions:
         fqns: dict[str, str] = {}

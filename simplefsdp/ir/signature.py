@@ -2,8 +2,7 @@
 
 One line per data-parallel collective, program order: kind, group (its global ranks), element count, dtype, and the
 module that issued it. Ranks of one group must produce the same lines for the group's collectives; the digest is the
-SHA-256 of the lines, what ranks compare before a graph's first collective (``runtime/rank_agreement.py``).
-"""
+SHA-256 of the lines, what ranks compare before a graph's first collective (``runtime/rank_agreement.py``)."""
 
 from __future__ import annotations
 

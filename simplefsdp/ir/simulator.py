@@ -55,11 +55,10 @@ class Prediction:
         """``(start, end)`` of each time the compute stream waits on communication, the communication after its last
         compute included: the gaps between compute spans, whose lengths sum to ``exposed_communication``."""
         intervals, clock = [], 0.0
-        for span in self.spans:
-            if span.stream == "compute":
-                if span.start > clock:
-                    intervals.append((clock, span.start))
-                clock = span.end
+        for span in (span for span in self.spans if span.stream == "compute"):
+            if span.start > clock:
+                intervals.append((clock, span.start))
+            clock = span.end
         if self.step_time > clock:
             intervals.append((clock, self.step_time))
         return intervals

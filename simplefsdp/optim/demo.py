@@ -79,11 +79,6 @@ def top_k(coefficients: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return positions, coefficients.gather(-1, positions)
 
 
-def scatter(positions: torch.Tensor, values: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Dense (chunks, ``chunk_size``) coefficients holding ``values`` at ``positions``, zeros elsewhere."""
-    return values.new_zeros(values.shape[0], chunk_size).scatter_(-1, positions, values)
-
-
 def mean_of_groups(picks: list[tuple[torch.Tensor, torch.Tensor]], chunk_size: int) -> torch.Tensor:
     """At each coefficient, the mean of the values the groups sent for it (zero where none did), as DeMo decodes:
     summed in the groups' order, so every group computes the same bits."""
@@ -125,7 +120,8 @@ class DeMo(torch.optim.Optimizer):
                 momentum = local(self.state[p]["delta"]) * group["decay"] + local(p.grad) * group["lr"]
                 chunk = chunk_shape(momentum.shape, group["chunk"])
                 positions, values = top_k(encode(momentum, chunk), group["top_k"])
-                momentum -= decode(scatter(positions, values, chunk[0] * chunk[1]), momentum.shape, chunk)
+                picked = values.new_zeros(values.shape[0], chunk[0] * chunk[1]).scatter_(-1, positions, values)
+                momentum -= decode(picked, momentum.shape, chunk)
                 sent += [positions.to(index_dtype(chunk)), values]
                 kept.append((p, group, momentum, chunk))
         sizes = [t.numel() * t.element_size() for t in sent]

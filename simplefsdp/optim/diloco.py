@@ -33,9 +33,7 @@ class DiLoCo(torch.optim.AdamW):
             raise ValueError(f"DiLoCo(outer_quantize={outer_quantize!r}): choose 'int8', 'int4' or None (fp32)")
         super().__init__(params, lr=lr, **adamw)
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, outer_lr, outer_momentum
-        self.outer_quantize = outer_quantize
-        self.averaged: torch.Tensor | None = None
-        self.exchanged = False
+        self.outer_quantize, self.averaged, self.exchanged = outer_quantize, None, False
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]

@@ -78,12 +78,10 @@ class GaLoreAdamW(torch.optim.Optimizer):
         """One optimizer step; on a refresh step every rank holding a projected weight's rows all-gathers its
         gradient (call it on every rank)."""
         loss = closure() if closure is not None else None
-        index = 0
-        for group in self.param_groups:
-            for parameter in group["params"]:
-                index += 1
-                if parameter.grad is not None:
-                    self.update(parameter, group, index)
+        parameters = [(parameter, group) for group in self.param_groups for parameter in group["params"]]
+        for index, (parameter, group) in enumerate(parameters, 1):
+            if parameter.grad is not None:
+                self.update(parameter, group, index)
         return loss
 
     def update(self, parameter: torch.Tensor, group: dict, index: int) -> None:
@@ -93,10 +91,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
         projected = is_projected(parameter.shape, row_shards(parameter), rank, group["shard_projector"],
                                  projector_dtype.itemsize / parameter.dtype.itemsize)
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
             columns = rank if projected else None
-            state["exp_avg"] = zeros_like_rows(parameter, columns)
-            state["exp_avg_sq"] = zeros_like_rows(parameter, columns)
+            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=zeros_like_rows(parameter, columns),
+                         exp_avg_sq=zeros_like_rows(parameter, columns))
         step = int(state["step"].add_(1).item())
         gradient = local(parameter.grad)
         if projected and (step - 1) % group["update_every"] == 0:
@@ -119,9 +116,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         normalized = (exp_avg / (1 - beta1**step)) / ((exp_avg_sq / (1 - beta2**step)).sqrt() + group["eps"])
         if projected:
             normalized = group["scale"] * (normalized @ projector.T)
-        weight = local(parameter)
-        weight.mul_(1 - group["lr"] * group["weight_decay"])
-        weight.add_(normalized, alpha=-group["lr"])
+        local(parameter).mul_(1 - group["lr"] * group["weight_decay"]).add_(normalized, alpha=-group["lr"])
 
 
 def is_projected(shape: tuple[int, ...], row_shards: int, rank: int, shard_projector: bool,

@@ -1,21 +1,18 @@
 """``buckets="auto"``: buckets merged from small units where the cost model says merging is free.
 
-1. Cut the collectives into units. All-gathers: one per child module of a repeated block (``layers.3.attention``) and
-   per top-level module outside the blocks (``tok_embeddings``). Other kinds (reduce-scatters, all-to-alls,
-   all-reduces): one per block plus head and tail (the ``"block"`` plan's units). Each unit has its full buffer bytes
-   (``planned_bytes``) and the roofline compute time of its modules' nodes, leaving out the nodes that depend on this
-   rank's local shards (``rank_local_nodes``: pads, narrows and casts of the shard), so every rank plans the same.
+1. Cut the collectives into units: all-gathers, one per child module of a repeated block (``layers.3.attention``) and
+   per top-level module outside the blocks (``tok_embeddings``); other kinds, one per block plus head and tail (the
+   ``"block"`` plan's units). A unit has its full buffer bytes (``planned_bytes``) and the roofline compute time of its
+   modules' nodes, less those that depend on this rank's shards (``rank_local_nodes``), so every rank plans the same.
 2. Walk the units of each (kind, process group, dtype) in program order and grow the current bucket by the next unit
-   while (a) the merged bucket's alpha-beta communication time still fits under the compute it overlaps: for an
-   all-gather the previous bucket's (it is prefetched behind it), for the other kinds the next unit's
-   (it runs behind the next block's backward); and (b) the bytes in flight, ``prefetch + 1`` buckets of the merged
-   size, stay within ``memory_budget`` (default: what per-block bucketing holds, the most bytes of any
-   ``prefetch + 1`` blocks in a row; for all-reduces at least ``prefetch + 1`` of DDP's 25 MiB buckets, as their
-   gradients stay allocated until the optimizer step anyway). Each merge saves one collective's latency. Small
-   all-gather units let a bucket end where the compute that can hide the next one ends: the first block's attention
-   is gathered behind the embedding lookup, its feed-forward behind that attention, so only the embedding's own
-   all-gather is exposed at the start of the step.
-"""
+   while (a) the merged bucket's alpha-beta time fits under the compute it overlaps: for an all-gather the previous
+   bucket's (it is prefetched behind it), for other kinds the next unit's (the next block's backward); and (b)
+   ``prefetch + 1`` buckets of the merged size fit ``memory_budget`` (default: what per-block bucketing holds, the
+   most bytes of any ``prefetch + 1`` blocks in a row; for all-reduces at least ``prefetch + 1`` of DDP's 25 MiB
+   buckets, as their gradients stay allocated until the optimizer step anyway). Each merge saves one collective's
+   latency. Small all-gather units end a bucket where the compute that can hide the next one ends (the first block's
+   attention gathered behind the embedding lookup, its feed-forward behind that attention): only the embedding's own
+   all-gather is exposed at the start of the step."""
 
 from __future__ import annotations
 
@@ -41,10 +38,8 @@ class _Unit:
 def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budget: int | None = None,
                       prefetch: int = 1, compute_dtype: torch.dtype | None = None,
                       blocks: Sequence[str] = ()) -> BucketPlan:
-    """Buckets for ``schedule`` by the module docstring's algorithm; ``compute_dtype`` (default: the dtype parameters
-    are gathered in) sets the matmul rate."""
-    gathered = [node.collective.dtype for node in bucketable(schedule, ("all_gather",))]
-    compute_dtype = compute_dtype or (gathered[0] if gathered else None)
+    """Buckets for ``schedule`` by the module's algorithm, matmuls in ``compute_dtype`` (default: gathered dtype)."""
+    compute_dtype = compute_dtype or next((n.collective.dtype for n in bucketable(schedule, ("all_gather",))), None)
     local = rank_local_nodes(schedule)
     computes = [node for node in schedule.nodes if node.kind == COMPUTE and node.name not in local]
     by_block = group_collectives(schedule, block_names(schedule, bucketable(schedule, BUCKETED_KINDS), blocks))

@@ -3,8 +3,7 @@ and the traced body of an all-to-all bucket.
 
 A bucket's flat buffer holds rank ``r``'s shards at ``[r * total, (r + 1) * total)``. Generated copy kernels would
 read each parameter at its own offset, so no two blocks' kernels would be alike and Inductor would compile a few per
-parameter; opaque ops cost no compilation. Both ops copy, never alias their inputs.
-"""
+parameter; opaque ops cost no compilation. Both ops copy, never alias their inputs."""
 
 from __future__ import annotations
 

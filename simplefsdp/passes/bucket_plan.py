@@ -9,8 +9,7 @@ unbucketed; ``"auto"``, see ``simplefsdp.passes.auto_buckets``. With ``"block"``
 (two buckets in flight, ``reorder``), by default 25 MiB (the first: 1 MiB).
 
 Every plan is a pure function of rank-invariant facts (``planned_bytes``, ``rank_local_nodes``; why:
-``ARCHITECTURE.md``, "Every rank plans the same").
-"""
+``ARCHITECTURE.md``, "Every rank plans the same")."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ class Bucket:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """The buckets of one graph (``phase`` is ``"forward"`` or ``"backward"``), in program order, and the repeated
-    blocks they were planned from."""
+    """The buckets of one graph (``phase``: ``"forward"`` or ``"backward"``), program order, and the blocks it used."""
     phase: str
     buckets: tuple[Bucket, ...]
     blocks: tuple[str, ...] = ()
@@ -82,8 +80,7 @@ def plan_buckets(schedule: Schedule, mode: BucketMode, blocks: Sequence[str] = (
 
 def bucketable(schedule: Schedule, kinds: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_to_all")
                ) -> list[ScheduleNode]:
-    """The data-parallel collectives of ``kinds`` (default: all but all-reduces), program order; of all-gathers,
-    the parameters' only."""
+    """The data-parallel collectives of ``kinds`` (default: all but all-reduces), in order; parameters' gathers only."""
     gathers = {node.name for node in schedule.parameter_gathers()}
     return [node for node in schedule.data_parallel_collectives()
             if node.collective.kind in kinds and (node.collective.kind != "all_gather" or node.name in gathers)]

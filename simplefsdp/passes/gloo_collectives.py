@@ -1,17 +1,14 @@
-"""gloo's collectives in the forms gloo runs fastest. A lever for gloo alone (CPU ranks): NCCL runs each collective as
-a ring of its own, and ``inspect``'s fake process group is left as traced (``benchmarks/step_breakdown.md`` has the
-measurements).
+"""gloo's collectives in the forms gloo runs fastest: a lever for gloo alone (CPU ranks); NCCL runs each collective as
+a ring of its own, and ``inspect``'s fake process group is left as traced (``benchmarks/step_breakdown.md`` measures).
 
 - **A reduce-scatter as an all-to-all and a sum.** gloo runs a reduce-scatter as an all-reduce of a copy of its whole
   input (2 (n - 1) / n of the input's bytes sent per rank); an all-to-all of its n chunks sends (n - 1) / n, and the n
-  chunks each rank receives are summed here in one kernel. The sum of two chunks is the all-reduce's, so on 2 ranks
-  the gradients are bitwise unchanged; on more, the order of the additions may differ from gloo's ring (a rounding of
-  the reduce dtype).
+  chunks each rank receives are summed here in one kernel. The sum of two chunks is the all-reduce's, so on 2 ranks the
+  gradients are bitwise unchanged; on more, the order of additions may differ from gloo's ring (reduce dtype rounding).
 - **An all-gather as a broadcast from each rank, in place.** gloo's all-gather receives into a flat buffer of its own
   and copies out of it; its broadcast works in the tensor it is given. Each rank copies its shards into its slice of
   the gathered buffer and every slice is broadcast from its rank, the broadcasts issued together and waited as one:
-  35-45% less time a call from 1 MiB a rank up, and no flat copy. A copy: bitwise.
-"""
+  35-45% less time a call from 1 MiB a rank up, and no flat copy. A copy: bitwise."""
 
 from __future__ import annotations
 

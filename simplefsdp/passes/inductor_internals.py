@@ -3,8 +3,7 @@ tests/test_torch_2_14.py; why each: ``ARCHITECTURE.md``, "Private PyTorch APIs")
 
 Inductor's FX bucketing replaces a list of collectives by one on a flat buffer, tracing our
 ``bucket_copies.all_gather_bucket`` and ``all_to_all_bucket`` in place of all-gathers and all-to-alls; padding for
-uneven shards stays outside the merged region. ``preserve_node_ordering`` pins an order for Inductor's scheduler.
-"""
+uneven shards stays outside the merged region. ``preserve_node_ordering`` pins an order for Inductor's scheduler."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ def merge_all_reduces(graph: fx.Graph, all_reduces: list[fx.Node]) -> None:
 
 
 def merge_all_to_alls(graph: fx.Graph, all_to_alls: list[fx.Node]) -> None:
-    """Replace ``all_to_alls`` (one group, each with one wait) by one per set of equal constant split sizes, placed
-    after the last one of the set."""
+    """Replace ``all_to_alls`` (one group, one wait each) by one per set of equal constant splits, after its last."""
     alike: dict[str, list[fx.Node]] = {}
     for node in all_to_alls:
         if all(isinstance(size, int) for size in (*node.args[1], *node.args[2])):
@@ -63,8 +61,7 @@ def merge_all_to_alls(graph: fx.Graph, all_to_alls: list[fx.Node]) -> None:
 
 def replace_collective(graph: fx.Graph, collective: fx.Node, fn: Callable[..., list[torch.Tensor]],
                        constants: tuple) -> None:
-    """Replace ``collective`` (one wait) by ``fn([its input], *constants)``, traced: issued where it was, waited where
-    its wait was."""
+    """Replace ``collective`` (one wait) by ``fn([its input], *constants)`` traced, issued there, waited at its wait."""
     (wait,) = collective.users
     process_collective_bucket(graph, [collective], fn, insert_before=collective, wait_insertion_point=wait.next,
                               trace_args_fn=lambda inputs: ([inputs[0].meta["val"]], *constants))
@@ -113,8 +110,7 @@ topological_sort = stable_topological_sort  # each node after its inputs, moving
 
 
 def pin_order(graph: fx.Graph, after: dict[fx.Node, list[fx.Node]]) -> None:
-    """Make each node of ``after`` run after the nodes it maps to, in Inductor's scheduler too; a node pinned before
-    keeps its dependencies and gains these."""
+    """Make each node of ``after`` run after the nodes it maps to, in Inductor's scheduler too (older pins kept)."""
     for node, deps in after.items():
         if deps and pinned(node):
             node.args = ((*node.args[0], *deps), *node.args[1:])
@@ -127,9 +123,8 @@ def pin_order(graph: fx.Graph, after: dict[fx.Node, list[fx.Node]]) -> None:
 
 def _lowerable_on_torch_2_14(graph: fx.Graph, pinned_node: fx.Node) -> None:
     """Make ``pinned_node`` (a node wrapped in ``control_deps``, a block's region call among them) one that torch 2.14
-    lowers: the wrapped graph reads the subgraphs itself and returns ``None`` outputs as constants (why:
-    ``ARCHITECTURE.md``'s table). Unused ``get_attr`` nodes are erased: Inductor would delete the attributes they
-    name."""
+    lowers: the wrapped graph reads the subgraphs itself and returns ``None`` outputs as constants (``ARCHITECTURE.md``
+    says why). Unused ``get_attr`` nodes are erased: Inductor would delete the attributes they name."""
     owner = graph.owning_module
     wrapped = getattr(owner, pinned_node.args[1].target)
     placeholders = wrapped.graph.find_nodes(op="placeholder")

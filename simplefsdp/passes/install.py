@@ -1,6 +1,5 @@
 """Our passes as one Inductor ``post_grad_custom_post_pass``, scoped to one compiled model (other models compiled in
-the process are unaffected); ``OverlapPasses.stages`` is the one code path of the passes, for Inductor and ``inspect``.
-"""
+the process are unaffected); ``OverlapPasses.stages`` is the passes' one code path, for Inductor and ``inspect``."""
 
 from __future__ import annotations
 
@@ -35,10 +34,9 @@ class PassStage:
 
 class OverlapPasses(CustomGraphPass):
     """Bucket then reorder one graph, in place; ``plans`` collects each compiled graph's (bucket, reorder) plans.
-    ``blocks``: the model's repeated blocks (``bucket_plan.find_blocks``); ``groups``: the data-parallel process
-    groups, whose collectives alone are bucketed and moved (empty: every group's); ``agree_over``: the process groups
-    of the dimensions of the mesh whose ranks run the graphs: non-empty, each compiled graph checks at run time, before
-    its first collective, that every rank planned the same collectives (``passes/rank_guard.py``)."""
+    ``blocks``: the repeated blocks (``bucket_plan.find_blocks``); ``groups``: the data-parallel process groups whose
+    collectives alone are bucketed and moved (empty: all); ``agree_over``: the process groups of the mesh's dimensions:
+    non-empty, each graph checks before its first collective that every rank planned the same (``rank_guard.py``)."""
 
     def __init__(self, buckets: BucketMode = "auto", reorder: bool = True, prefetch: int = 1,
                  memory_budget: int | None = None, hardware: str | HardwareProfile = "h100",

@@ -1,9 +1,7 @@
 """The pass side of the cross-rank guard: one call of ``simplefsdp::agree_on_collectives`` at the top of a compiled
 graph, with the graph's collective signature (``ir.signature``) baked in as a constant, and every collective of the
-graph pinned after it (one Inductor does not know as a collective, after the one before it too). The op's run-time
-side is ``runtime/rank_agreement.py``; why: ``ARCHITECTURE.md``, "The cross-rank guard". The pass itself runs no
-collective.
-"""
+graph pinned after it (one Inductor does not know as a collective, after the one before it too). The pass runs no
+collective; the op's run-time side: ``runtime/rank_agreement.py``; why: ``ARCHITECTURE.md``, "The cross-rank guard"."""
 
 from __future__ import annotations
 

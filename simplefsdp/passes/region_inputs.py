@@ -2,8 +2,7 @@
 
 A region's forward returns the gathered weights its backward needs as saved outputs, which the outer partitioner can
 only keep; ``recompute_region_inputs`` points each use of such an output at the region's input, the must-recompute
-gather, so backward gathers again. Run on the joint graph, before partitioning.
-"""
+gather, so backward gathers again. Run on the joint graph, before partitioning."""
 
 from __future__ import annotations
 

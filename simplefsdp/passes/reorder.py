@@ -3,17 +3,16 @@
 Plan (a pure function of a ``Schedule``): all-gathers in program order are buckets ``0..n-1`` (one per merged
 bucket, or per parameter when unbucketed). All-gather ``i + prefetch`` is issued right after the copy-out of
 all-gather ``i`` (its wait and the nodes that read only it), before bucket ``i``'s compute, so bucket ``i``'s gathered
-buffer is freed before bucket ``i + prefetch``'s is allocated (FSDP2's order: one gathered buffer less at the
-peak); the first ``prefetch`` all-gathers at the start of the graph, before any
-compute (in the backward the output layer's re-gather then hides behind its weight-gradient matmul, which does not
-need it). In the backward the re-gathers already run in reverse block order, so the same rule prefetches them in
-reverse. Reduce-scatters stay where the bucketing put them (as soon as their gradients exist). Every wait, with its
-copy-out views, sinks to just before its first real user; a reduce-scatter's (all-reduce's) wait sinks no further
-than the next reduce-scatter (all-reduce), so at most two gradient buffers of each are in flight.
+buffer is freed before bucket ``i + prefetch``'s is allocated (FSDP2's order: one gathered buffer less at the peak);
+the first ``prefetch`` all-gathers at the start of the graph, before any compute (in the backward the output layer's
+re-gather then hides behind its weight-gradient matmul, which does not need it). The backward's re-gathers already run
+in reverse block order, so the same rule prefetches them in reverse. Reduce-scatters stay where the bucketing put them
+(as soon as their gradients exist). Every wait, with its copy-out views, sinks to just before its first real user; a
+reduce-scatter's (all-reduce's) wait no further than the next reduce-scatter (all-reduce): at most two gradient
+buffers of each in flight.
 
 Apply moves the nodes in the FX graph and pins the order (each bucket's first compute node depends on the all-gathers
-prefetched before it, each sunk wait on the node before it), so Inductor's scheduler keeps it.
-"""
+prefetched before it, each sunk wait on the node before it), so Inductor's scheduler keeps it."""
 
 from __future__ import annotations
 
@@ -83,8 +82,7 @@ def plan_reorder(schedule: Schedule, prefetch: int = 1) -> ReorderPlan:
 
 def _sink(schedule: Schedule, wait: ScheduleNode, collectives: list[ScheduleNode], position: dict) -> Sink:
     """The wait, the copy-out nodes that read only it (views, reshapes, casts), and the node to sink them before."""
-    chain = {wait.name}
-    users = []
+    chain, users = {wait.name}, []
     for node in schedule.nodes[position[wait.name] + 1:]:
         if not chain.intersection(node.inputs):
             continue

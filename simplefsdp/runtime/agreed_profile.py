@@ -1,8 +1,7 @@
 """The hardware profile every rank plans with: global rank 0's, broadcast, so all ranks bucket alike.
 
 Each rank measuring or loading its own (hosts with different CPUs, one busy measurement) would price the same graph
-with different numbers, plan different buckets, and issue mismatched collectives.
-"""
+with different numbers, plan different buckets, and issue mismatched collectives."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ def agreed_profile(device_type: str) -> HardwareProfile:
             answer[0] = local_profile(device_type)
         except Exception as error:  # tell the other ranks, which wait in the broadcast below, then raise here
             failure, answer[0] = error, f"{type(error).__name__}: {error}"
-    # The others wait here while rank 0 measures (~10 s on a CPU without a cached profile). If rank 0 dies instead,
-    # the default group's timeout bounds the wait (5 min when runtime/mesh.py: init_distributed started it). On NCCL
-    # the pickled profile travels through the current CUDA device, which init_distributed sets from LOCAL_RANK.
+    # The others wait while rank 0 measures (~10 s on a CPU, uncached), or, if it dies, for the default group's timeout
+    # (5 min from mesh.py's init_distributed, which sets from LOCAL_RANK the CUDA device NCCL sends the pickle through).
     dist.broadcast_object_list(answer, src=0)
     if failure is not None:
         raise failure

@@ -1,9 +1,6 @@
-"""Compile a repeated block once: each block's compute runs in a ``torch.compiler.nested_compile_region``.
-
-A block (``passes.bucket_plan.find_blocks``) gathers all its parameters first, outside the region, then calls the
-region with the gathered tensors: ``torch.func.functional_call`` of a copy of the block that holds no data. Blocks of
-one structure share one region per mode; the collectives stay in the outer graphs. Why each piece is there, and what
-it costs: ``ARCHITECTURE.md``, "Compiling a repeated block once".
+"""Compile a repeated block once: each block gathers its parameters, then runs its compute in a
+``torch.compiler.nested_compile_region`` shared by the blocks of its structure (``functional_call`` of a data-less
+copy). Why each piece is there, and what it costs: ``ARCHITECTURE.md``, "Compiling a repeated block once".
 """
 
 from __future__ import annotations
@@ -28,11 +25,10 @@ from simplefsdp.runtime.replicate_compute import ReplicateComputation
 def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: ReplicateComputation,
                           gathers_in_region: bool, strict: bool, keyed: frozenset[str] = frozenset()
                           ) -> Callable[[], None]:
-    """Run each of ``model``'s ``blocks`` (FQNs, sharded by ``shard_parameters``, not tensor-parallel) as gathers, then
-    one shared region per distinct block (unless ``strict``, blocks that differ in a setting's value share one, but
-    for the settings named in ``keyed``); with ``gathers_in_region`` the gathers run in a region of their own, which
-    the backend inlines. A call that a region cannot run raises if ``strict``, and else runs the block's own forward.
-    Returns a function that puts the blocks' forwards back."""
+    """Run each of ``model``'s ``blocks`` (FQNs, sharded by ``shard_parameters``, not tensor-parallel) as gathers (in a
+    region of their own with ``gathers_in_region``, which the backend inlines), then one region per distinct block
+    (unless ``strict``, blocks that differ only in settings' values, but those in ``keyed``, share one). A call no
+    region can run raises if ``strict``, else runs the block's own forward. Returns a function that undoes this."""
     regions: dict[tuple, dict[bool, Callable]] = {}
     replaced: dict[nn.Module, Callable | None] = {}  # each block's forward of its own, if any
 
@@ -69,18 +65,16 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
                                                     names, signature[3],
                                                     f"{len(regions)}_{'train' if training else 'eval'}")
                                   for training in (True, False)}
-        own_forward = None if strict else block.forward
         replaced[block] = vars(block).get("forward")
         block.forward = functools.partial(_run_block, fqn, tuple(block.modules()), [read[1:] for read in reads],
                                           [buffer for _, buffer in buffers], computations[fqn],
                                           gather_region if computations[fqn] is replicate else None,
-                                          regions[signature], own_forward)
+                                          regions[signature], None if strict else block.forward)
 
     def uninstall() -> None:
         for block, forward in replaced.items():
-            if forward is None:
-                del block.forward
-            else:
+            del block.forward
+            if forward is not None:
                 block.forward = forward
 
     return uninstall
@@ -96,15 +90,14 @@ def distinct_blocks(model: nn.Module, blocks: tuple[str, ...], keyed: frozenset[
                 for block in map(model.get_submodule, blocks)})
 
 
-def _settings_named(structure: tuple, keyed: frozenset[str] = frozenset()) -> tuple:
+def _settings_named(structure: tuple, keyed: frozenset[str]) -> tuple:
     """``_structure``'s tuple with each setting's name alone, not its value, but for the settings in ``keyed``."""
     return tuple((prefix, cls, tuple((key, value) if key in keyed else key for key, value in settings))
                  for prefix, cls, settings in structure)
 
 
 def _differing_settings(blocks: list[nn.Module]) -> dict[str, set[str]]:
-    """The settings whose values differ between ``blocks`` (of one structure but for those values), by module
-    prefix."""
+    """The settings whose values differ between ``blocks`` (of one structure but for those values), by prefix."""
     differing: dict[str, set[str]] = {}
     for modules in zip(*(_structure(block) for block in blocks)):
         for key, value in modules[0][2]:
@@ -127,9 +120,7 @@ _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def _is_setting(value) -> bool:
-    if isinstance(value, tuple):
-        return all(map(_is_setting, value))
-    return isinstance(value, (*_PLAIN, torch.dtype))
+    return all(map(_is_setting, value)) if isinstance(value, tuple) else isinstance(value, (*_PLAIN, torch.dtype))
 
 
 def _template(block: nn.Module, unreadable: dict[str, set[str]]) -> nn.Module:
@@ -166,11 +157,9 @@ READ_SETTING = r"compile_blocks_once ran blocks that differ in '(\w+)' as one re
 
 
 def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, name: str) -> Callable:
-    """A call of the nested compile region that runs ``template`` on given tensors (``names``' values, the first
-    positional arguments) and the block's own arguments, inside ``checkpoint`` with ``checkpointing``'s options if not
-    None; it returns the block's output. Dynamo traces it once per ``reuse_key``; an output with leaves other than
-    tensors (``(hidden, None)``) or that holds one of the region's inputs is rebuilt from the structure recorded while
-    tracing (``ARCHITECTURE.md``)."""
+    """A call of the nested compile region that runs ``template`` on the tensors named ``names`` (the first positional
+    arguments) and the block's own arguments, in ``checkpoint`` with ``checkpointing``'s options if not None, and
+    returns the block's output (rebuilt from the structure recorded while tracing: ``ARCHITECTURE.md``)."""
 
     def run(*flat, **kwargs):
         # each tensor through an alias first: torch 2.13's Dynamo records a tensor attribute read of a region's input
@@ -179,10 +168,8 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, 
         return functional_call(template, dict(zip(names, tensors)), flat[len(names):], kwargs, tie_weights=False)
 
     def compute(*flat, **kwargs):
-        if checkpointing is None:
-            output = run(*flat, **kwargs)
-        else:
-            output = checkpoint(run, *flat, **kwargs, **dict(checkpointing))
+        output = (run(*flat, **kwargs) if checkpointing is None
+                  else checkpoint(run, *flat, **kwargs, **dict(checkpointing)))
         leaves, spec = tree_flatten(output)
         inputs = _tensors(flat, kwargs)
         # how the caller rebuilds each leaf: None where the region returns it, else ("constant", the value) or
@@ -223,9 +210,8 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, 
 
 class OutputStructures(dict):
     """Per reuse key, a region output's pytree spec and how each leaf is rebuilt, written while Dynamo traces the
-    region. Entries are only added, and always the same for a key, so Dynamo need not guard on them
-    (``without_output_structure_guards``): its guard on the dict as it was before the first trace fails at the second
-    call, which would compile the whole model again."""
+    region; only ever added to, the same for a key, so unguarded (``without_output_structure_guards``): a guard on it
+    as it was before the first trace would compile the whole model again at the second call."""
 
 
 def without_output_structure_guards(entries: list) -> list[bool]:
@@ -259,10 +245,9 @@ def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Mo
                buffers: list[torch.Tensor], replicate: ReplicateComputation,
                gather_region: Callable | None, regions: dict[bool, Callable],
                own_forward: Callable | None, *args, **kwargs):
-    """Gather the block's parameters (``reads``, through ``gather_region`` if not None), then run its compute in the
-    region of its mode (``regions``: the training one and the eval one), that of all its ``modules`` (a tuple: Dynamo
-    traces ``block.modules()``'s recursion at a cost per block). A call no region can run goes to ``own_forward``, or
-    raises where that is None."""
+    """Gather the block's parameters (``reads``, through ``gather_region`` if not None), then run the region of the
+    mode of all its ``modules`` (a tuple: Dynamo traces ``block.modules()`` at a cost per block). A call no region can
+    run goes to ``own_forward``, or raises where that is None."""
     modes = {module.training for module in modules}
     odd = next((leaf for leaf in tree_leaves((args, kwargs))
                 if not isinstance(leaf, (torch.Tensor, *_PLAIN, *_SYMBOLIC))), None)
@@ -284,9 +269,8 @@ def block_regions_refusal(model: nn.Module, blocks: tuple[str, ...]) -> str | No
     replaced on the instance by anything but a checkpoint of its own (``apply_activation_checkpointing``'s); a complex
     parameter or buffer (torch 2.13's regions have no kernel for the conjugate bit); a block's batch norm that tracks
     running statistics (its regions refuse buffers updated in place in training)."""
-    if complex_tensor := next((name for name, tensor in itertools.chain(model.named_parameters(),
-                                                                        model.named_buffers()) if tensor.is_complex()),
-                              None):
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    if complex_tensor := next((name for name, tensor in tensors if tensor.is_complex()), None):
         return (f"compile_blocks_once cannot pass complex tensors to a region in torch 2.13; {complex_tensor!r} is "
                 "complex: keep it real (torch.view_as_real), or pass compile_blocks_once=False")
     for fqn in blocks:

@@ -2,8 +2,7 @@
 
 Each rank writes and reads only its own shards, and DCP reshards on load (save on N ranks, load on any number).
 ``<root>/step-<step>`` is written under a temporary name and renamed when complete, so a save killed halfway leaves
-the previous checkpoint the latest complete one.
-"""
+the previous checkpoint the latest complete one."""
 
 from __future__ import annotations
 
@@ -33,9 +32,7 @@ def checkpoint_path(root: str | Path, step: int) -> Path:
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The complete checkpoint with the highest step under ``root``, or None if there is none."""
     root = Path(root)
-    if not root.is_dir():
-        return None
-    complete = [(int(match[1]), path) for path in root.iterdir()
+    complete = [(int(match[1]), path) for path in (root.iterdir() if root.is_dir() else ())
                 if (match := _COMPLETE.match(path.name)) and (path / ".metadata").is_file()]
     return max(complete)[1] if complete else None
 

@@ -23,9 +23,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     inf = math.isinf(norm_type)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     norms: dict[tuple, list[torch.Tensor]] = {}  # the process groups a gradient is sharded over -> its shards' norms
-    for grad, tensor in zip(grads, local):
-        norm = torch.linalg.vector_norm(tensor, norm_type, dtype=torch.float32)
-        norms.setdefault(_shard_groups(grad), []).append(norm)
+    for grad, t in zip(grads, local):
+        norms.setdefault(_shard_groups(grad), []).append(torch.linalg.vector_norm(t, norm_type, dtype=torch.float32))
     partials = []
     for groups, group_norms in norms.items():  # the same order on every rank: the parameters'
         stacked = torch.stack(group_norms)

@@ -112,18 +112,14 @@ class InductorOncePerHost(_TorchCompileInductorWrapper):
                               compile_region_name=self.name)
 
 
-@contextlib.contextmanager
-def _graph_lock(gm: torch.fx.GraphModule, example_inputs):
-    """Hold this host's lock of Dynamo's graph ``gm`` (its code and inputs) while it compiles. No lock where the FX
+def _graph_lock(gm: torch.fx.GraphModule, example_inputs) -> contextlib.AbstractContextManager:
+    """This host's lock of Dynamo's graph ``gm`` (its code and inputs), held while it compiles. No lock where the FX
     graph cache is off, or under ``aot_compile`` (``runtime/precompile.py``), which keys AOTAutograd's cache per
     process: nothing would be loaded."""
     if not inductor_config.fx_graph_cache or torch._functorch.config.bypass_autograd_cache_key:
-        yield
-        return
-    inputs = [_described(value) for value in example_inputs]
-    key = hashlib.sha256(f"{gm.code}{inputs}".encode()).hexdigest()[:32]
-    with _file_lock(os.path.join(cache_dir(), "simplefsdp-compile-locks", key)):
-        yield
+        return contextlib.nullcontext()
+    key = hashlib.sha256(f"{gm.code}{[_described(value) for value in example_inputs]}".encode()).hexdigest()[:32]
+    return _file_lock(os.path.join(cache_dir(), "simplefsdp-compile-locks", key))
 
 
 def _described(value: Any) -> Any:
@@ -159,8 +155,7 @@ _reduce_by_flattening = AOTAutogradCachePickler._reduce_tensor_subclass
 
 
 def _mesh_by_value(value: Any) -> Any:
-    """A graph input that is a (fake script object of a) ``DeviceMesh`` as a string of what it is; others as they
-    are."""
+    """A (fake script object of a) ``DeviceMesh`` as a string of what it is; other values as they are."""
     if isinstance(mesh := getattr(value, "real_obj", None), DeviceMesh):
         return mesh_by_value(mesh)
     return value

@@ -1,7 +1,6 @@
 """Inductor's check of this CPU's vector instruction sets, done once per machine instead of once per process: once
 every check has passed, a marker in ``SIMPLEFSDP_CACHE`` lets later processes set ``cpp.vec_isa_ok`` (what it saves
-and why: ``ARCHITECTURE.md``, "Caches"). Private: ``torch._inductor.cpu_vec_isa`` and ``cpp_builder``.
-"""
+and why: ``ARCHITECTURE.md``, "Caches"). Private: ``torch._inductor.cpu_vec_isa`` and ``cpp_builder``."""
 
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ import torch.distributed as dist
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """Run the body as ``rank`` of a fake default process group of ``world_size`` ranks; collectives move no data.
-
     The body sees no DTensor state of an earlier world of this process, nor leaves any to a later one."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # private: the only way to start "fake"
     # private: the only way to empty DTensor's sharding-propagation caches (imported here: it loads Dynamo)

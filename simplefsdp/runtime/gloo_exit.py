@@ -5,8 +5,7 @@ Python objects: its tensors, and, if issued during ``backward()``, the ``context
 stashes in torch's thread-local state. A worker that waits for the GIL to release them when the interpreter starts
 finalizing ends its thread inside a destructor, and the process aborts ("terminate called without an active
 exception") after the script's last line: a finished run reported as failed. So at exit, before finalization, the rank
-gives the GIL up (10 ms at least) until the collectives of its ``backward()`` calls are released.
-"""
+gives the GIL up (10 ms at least) until the collectives of its ``backward()`` calls are released."""
 
 from __future__ import annotations
 

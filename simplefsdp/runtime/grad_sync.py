@@ -1,12 +1,9 @@
 """Gradient accumulation without communication (FSDP2's ``set_requires_gradient_sync(False)``).
 
-While sync is off, a gathered parameter's gradient flows not to the sharded parameter (no reduction) but into a
-per-parameter accumulator leaf in the reduce dtype, where autograd sums the unreduced local gradients across
-micro-batches and across every read of the parameter. A backward with sync on while a sum is pending routes its
-gradient there too; once that backward has accumulated it, the sum is reduced once, in the reduce dtype, into the
-sharded parameter's ``.grad`` (``register_pending_reductions``), as FSDP2 reduces its accumulated unsharded gradient.
-``torch.compile`` guards on the flag and on a pending sum: one graph for "reduce now", one for "accumulate".
-"""
+While sync is off, a gathered parameter's gradient goes, unreduced, to a per-parameter accumulator leaf in the reduce
+dtype, where autograd sums it over micro-batches and reads; a backward with sync on while a sum is pending adds to it,
+then reduces the sum once into the sharded parameter's ``.grad``, as FSDP2 reduces its accumulated unsharded gradient.
+``torch.compile`` guards on the flag and on a pending sum: one graph for "reduce now", one for "accumulate"."""
 
 from __future__ import annotations
 
@@ -27,10 +24,9 @@ class GradientSync:
 
 
 def new_accumulator(param: torch.Tensor, device: str, dtype: torch.dtype | None) -> torch.Tensor:
-    """A memory-free leaf of ``param``'s full shape on ``device`` in ``dtype`` (default: ``param``'s); its ``.grad``
-    is the pending sum."""
-    zero = param.new_zeros((), device=device, dtype=dtype or param.dtype)  # fake when param is fake
-    return zero.expand(param.shape).requires_grad_()
+    """A memory-free leaf (fake when ``param`` is) of ``param``'s full shape on ``device`` in ``dtype`` (default:
+    ``param``'s); its ``.grad`` is the pending sum."""
+    return param.new_zeros((), device=device, dtype=dtype or param.dtype).expand(param.shape).requires_grad_()
 
 
 class _RouteGradient(torch.autograd.Function):

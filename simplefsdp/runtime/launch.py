@@ -37,10 +37,8 @@ def launch_local_ranks(nproc: int, module_argv: list[str], max_restarts: int = 0
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.5,
-    )
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.5)
     try:
         elastic_launch(config, sys.executable)("-m", "simplefsdp", *module_argv)
     except ChildFailedError as failure:
@@ -62,12 +60,9 @@ def start_lighthouse() -> tuple[subprocess.Popen, str]:
 
 
 def launch_replica_groups(groups: int, nproc: int, module_argv: list[str], lighthouse: str | None) -> int:
-    """Start torchft's lighthouse (unless ``lighthouse`` names a running one), then ``python -m simplefsdp
-    <module_argv> --replica-group G`` for each of ``groups`` groups of ``nproc`` ranks; the first failing exit
-    code, else 0."""
-    server = None
-    if lighthouse is None:
-        server, lighthouse = start_lighthouse()
+    """Start torchft's lighthouse (unless ``lighthouse`` names a running one), then ``python -m simplefsdp <module_argv>
+    --replica-group G`` for each of ``groups`` groups of ``nproc`` ranks; the first failing exit code, else 0."""
+    server, lighthouse = start_lighthouse() if lighthouse is None else (None, lighthouse)
     threads = str(max(1, (os.cpu_count() or 1) // (groups * nproc)))  # the groups share this machine's cores
     env = {"RUST_LOG": "warn", "OMP_NUM_THREADS": threads, **os.environ, "TORCHFT_LIGHTHOUSE": lighthouse}
     jobs = [subprocess.Popen([sys.executable, "-m", "simplefsdp", *module_argv, "--replica-group", str(group)], env=env)

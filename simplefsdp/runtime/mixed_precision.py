@@ -22,10 +22,8 @@ class MixedPrecision:
         for field in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, field)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-                raise ValueError(
-                    f"MixedPrecision({field}={dtype!r}) must be a floating-point torch.dtype, "
-                    f"e.g. {field}=torch.bfloat16, or None to keep the parameter dtype"
-                )
+                raise ValueError(f"MixedPrecision({field}={dtype!r}) must be a floating-point torch.dtype, "
+                                 f"e.g. {field}=torch.bfloat16, or None to keep the parameter dtype")
 
 
 def dtype_named(name: str | None) -> torch.dtype | None:

@@ -9,8 +9,7 @@ weights. Forward: each rank's shard, padded to whole blocks, is packed, all-gath
 the rows by an all-to-all; each receiver dequantizes, sums in fp32 and averages (a collective never sums low-bit
 codes: gloo's int8 sum wraps around). Between replicas (``hybrid_shard``) the averaged shard is exchanged the same
 way, a chunk per replica (error feedback on it too), then each replica's sum is quantized again and all-gathered, so
-every replica decodes the same bits. Without a format the collectives are hybrid's or the plain reduce-scatter.
-"""
+every replica decodes the same bits. Without a format the collectives are hybrid's or the plain reduce-scatter."""
 
 from __future__ import annotations
 
@@ -65,10 +64,9 @@ def quantize_option(args: argparse.Namespace) -> Quantize | None:
 
 def check_read_once(model: nn.Module, compile: bool) -> None:
     """Raise ``ValueError`` where a parameter would be exchanged twice a step, so its error feedback counted twice:
-    a module placed twice in the model, or tied parameters without compiling (eager gathers at every read; a compiled
-    call gathers a tied parameter once, and exchanges the sum of its uses' gradients once). Not caught: a module called
-    more than once in one forward (a looped block) is exchanged at each call; only tracing tells, and bookkeeping of
-    reads inside a checkpointed block would break Dynamo's graph there."""
+    a module placed twice in the model, or tied parameters without compiling (eager gathers at every read). Not caught:
+    a module called more than once in one forward (a looped block) is exchanged at each call: only tracing tells, and
+    bookkeeping of reads inside a checkpointed block would break Dynamo's graph there."""
     if len(list(model.named_modules(remove_duplicate=False))) > len(list(model.modules())):
         raise ValueError("a module of the model is placed twice in it, so its parameters would be exchanged twice "
                          "a step and their error feedback counted twice; pass Quantize(..., error_feedback=False)")
@@ -98,12 +96,11 @@ def packed_block_bytes(fmt: str, block_size: int) -> int:
 
 def unpack_dequantize(packed: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
     """Inverse of ``quantize_pack`` up to rounding: packed ``uint8`` rows → fp32 rows ``(R, N)``."""
-    rows = packed.shape[0]
-    numel = packed.shape[1] // packed_block_bytes(fmt, block_size) * block_size
-    scale_bytes = packed[:, :4 * (numel // block_size)].reshape(rows, -1, 4).to(torch.int32)
-    scale_bytes = scale_bytes << _byte_shifts(packed.device)
+    rows, blocks = packed.shape[0], packed.shape[1] // packed_block_bytes(fmt, block_size)
+    numel = blocks * block_size
+    scale_bytes = packed[:, :4 * blocks].reshape(rows, -1, 4).to(torch.int32) << _byte_shifts(packed.device)
     scales = scale_bytes.sum(-1, dtype=torch.int32).view(torch.float32)
-    codes = packed[:, 4 * (numel // block_size):]
+    codes = packed[:, 4 * blocks:]
     if fmt == "int4":
         codes = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(rows, numel).to(torch.int8) - 8
     values = codes.contiguous().view(torch.int8).float().reshape(rows, -1, block_size)
@@ -184,8 +181,7 @@ def quantized_reduce(grad: torch.Tensor, error: torch.Tensor | None, mesh: Devic
     values, padded = padded_rows(shape, shards, quantize.block_size, replicas)
     rows = torch.nn.functional.pad(grad.reshape(-1), (0, shards * values - grad.numel())).reshape(shards, -1)
     if quantize.reduce is None:
-        dtype = reduce_dtype or grad.dtype
-        mine = rows.to(dtype).reshape(-1)
+        mine = rows.to(reduce_dtype or grad.dtype).reshape(-1)
         if shards > 1:
             mine = funcol.reduce_scatter_tensor(mine, "sum", 0, shard_group) / shards
         if replicas > 1:  # gloo has no "avg"
@@ -206,7 +202,6 @@ def quantized_reduce(grad: torch.Tensor, error: torch.Tensor | None, mesh: Devic
             new_error.append(None if error is None else chunk_error.reshape(1, -1))
         if error is not None:
             error.copy_(torch.cat(new_error))
-        mine = mine[:values]
     return mine[:shard_shape.numel()].reshape(shard_shape).to(shard_dtype)
 
 
@@ -214,9 +209,8 @@ def quantized_replicate(param: DTensor, error: torch.Tensor | None, quantize: Qu
                         param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> torch.Tensor:
     """The full ``param`` in ``param_dtype``, gathered and its gradient reduced in ``quantize``'s formats."""
     shard = param.to_local()
-    dtype = param_dtype or shard.dtype
-    return _QuantizedReplicate.apply(shard, error, param.device_mesh, param.placements, param.shape, quantize, dtype,
-                                     reduce_dtype)
+    return _QuantizedReplicate.apply(shard, error, param.device_mesh, param.placements, param.shape, quantize,
+                                     param_dtype or shard.dtype, reduce_dtype)
 
 
 def error_feedback_state(model: nn.Module) -> dict[str, DTensor]:

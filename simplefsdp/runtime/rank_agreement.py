@@ -1,10 +1,8 @@
-"""Ranks agreeing before collectives run: the same model on every rank, and the same collectives in every compiled
-graph.
+"""Ranks agreeing before collectives run: the same model on every rank, the same collectives in every compiled graph.
 
 The model check all-gathers over a mesh's dimensions (``gather_over_mesh``, no process group created); a graph's
 check all-reduces a digest per dimension. Digests go first, full data only when they differ; every rank then raises
-the same ``ValueError``, so no rank is left waiting in a collective that a rank which raised never joins.
-"""
+the same ``ValueError``, so no rank is left waiting in a collective that a rank which raised never joins."""
 
 from __future__ import annotations
 
@@ -147,17 +145,15 @@ def raise_for_difference(lines: Sequence[str], groups: Sequence[dist.ProcessGrou
     index, detail = _first_difference(theirs, reference, rank, first)
     where = f"collective {index} on process group {group} is {detail} (module: the first module in it)"
     if elements_by_kind(theirs) == elements_by_kind(reference):
-        raise ValueError(
-            f"ranks planned different buckets for the same collectives: {where}. Running them would hang or exchange "
-            "the wrong bytes. buckets='auto' prices compute from each rank's input shapes, so ranks whose inputs "
-            "differ in shape (a sequence length of their own) can plan differently: pass buckets='block' or "
-            "buckets=None, which plan from the model alone, or give every rank inputs of one shape (if they had one "
-            "shape, report this with the model)")
-    raise ValueError(
-        f"ranks ran compiled graphs with different collectives at the same call: {where}. Every rank must call the "
-        "model the same way, step by step. A forward on some ranks only (evaluation on rank 0 alone), a backward or "
-        "optimizer step skipped on one rank (a batch skipped for its loss), or a model called on one rank only would "
-        "hang or exchange the wrong bytes in the graphs' collectives")
+        raise ValueError(f"ranks planned different buckets for the same collectives: {where}. Running them would hang "
+                         "or exchange the wrong bytes. buckets='auto' prices compute from each rank's input shapes, so "
+                         "ranks whose inputs differ in shape (a sequence length of their own) can plan differently: "
+                         "pass buckets='block' or buckets=None, which plan from the model alone, or give every rank "
+                         "inputs of one shape (if they had one shape, report this with the model)")
+    raise ValueError(f"ranks ran compiled graphs with different collectives at the same call: {where}. Every rank must "
+                     "call the model the same way, step by step. A forward on some ranks only (evaluation on rank 0 "
+                     "alone), a backward or optimizer step skipped on one rank (a batch skipped for its loss), or a "
+                     "model called on one rank only would hang or exchange the wrong bytes in the graphs' collectives")
 
 
 @torch.library.custom_op("simplefsdp::agree_on_collectives", mutates_args=())

@@ -83,10 +83,9 @@ class ReplicateComputation:
         """The computation for the module ``fqn`` of a model whose repeated blocks are ``blocks`` (in forward order):
         outside the blocks and in the last block the gathered parameters are kept from forward to backward, as
         FSDP2 keeps its root's and torchtitan its last block's (the backward gathers them first)."""
-        if not self.reshard_after_forward or not blocks:
+        if not self.reshard_after_forward or not blocks or block_of(fqn, blocks) not in (None, blocks[-1]):
             return self
-        block = block_of(fqn, blocks)
-        return self if block not in (None, blocks[-1]) else dataclasses.replace(self, reshard_after_forward=False)
+        return dataclasses.replace(self, reshard_after_forward=False)
 
     def compute_view(self, param: DTensor, accumulator: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
         """The gathered parameter (TP's DTensor for a TP parameter); with sync off its gradient goes to

@@ -87,8 +87,7 @@ def sharded_lookup(ids: torch.Tensor, param: DTensor, first_row: torch.Tensor, r
     """``F.embedding(ids, full_table, padding_idx)`` in ``dtype``, the table's gradient averaged over ranks into
     ``param``'s shard, without gathering the table. Each rank's ids are embedded apart, so that a row's gradient sums
     each rank's tokens first, then the ranks, as the gathered table's reduce-scatter does (bitwise on 2 ranks)."""
-    mesh = param.device_mesh
-    world, group = mesh.size(), mesh.get_group()
+    world, group = param.device_mesh.size(), param.device_mesh.get_group()
     shard = _AverageGradient.apply(param.to_local(), world)
     every_id = funcol.all_gather_tensor(ids.reshape(-1), 0, group).view(world, -1)
     local = every_id - first_row
@@ -100,8 +99,7 @@ def sharded_lookup(ids: torch.Tensor, param: DTensor, first_row: torch.Tensor, r
         if padding_idx is not None:  # its row gets no gradient
             embedded = torch.where((every_id[rank] == padding_idx)[:, None], embedded.detach(), embedded)
         pieces.append(torch.where(held[rank, :, None], embedded, 0))
-    mine = funcol.reduce_scatter_tensor_autograd(torch.cat(pieces), "sum", 0, group)
-    return mine.view(*ids.shape, -1)
+    return funcol.reduce_scatter_tensor_autograd(torch.cat(pieces), "sum", 0, group).view(*ids.shape, -1)
 
 
 def agree_on_shapes_every_call(model: nn.Module, call: Callable) -> Callable:

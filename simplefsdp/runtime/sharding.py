@@ -71,8 +71,8 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
     parameter stays one, a tensor-parallel one goes on the (dp, tp) mesh) and install the gathering getters. Where
     the model has ``blocks``, the modules outside them and the last block keep their gathered parameters from forward
     to backward (``ReplicateComputation.in_block``): the backward needs the output layer and the last block first; an
-    embedding's backward reads no weight.
-    With ``sharded_lookup``, such an embedding (not tied) looks its ids up where its rows are sharded."""
+    embedding's backward reads no weight. With ``sharded_lookup``, such an embedding (not tied) looks its ids up where
+    its rows are sharded."""
     _refuse_optimizers_outside_the_sharding()
     sharded: dict[int, tuple[int, nn.Parameter, torch.Tensor, torch.Tensor | None]] = {}
     uses = Counter(id(param) for submodule in module.modules() for param in submodule._parameters.values())
@@ -105,9 +105,8 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh, mode: str, replicate: 
 
 def _shard_plain_tensors(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
     """``load_state_dict`` pre-hook: a plain tensor given for one of ``module``'s own DTensor parameters, of its shape
-    (each rank holding the full value, as ``torch.load`` of an unsharded checkpoint gives), becomes this rank's shard
-    of it, cut locally, with no collective; a tensor of another shape is left for ``load_state_dict``'s own
-    size-mismatch error."""
+    (each rank holding the full value, as ``torch.load`` of an unsharded checkpoint gives), becomes this rank's shard,
+    cut locally with no collective; one of another shape is left for ``load_state_dict``'s size-mismatch error."""
     for name, param in module._parameters.items():
         value = state_dict.get(prefix + name)
         if isinstance(param, DTensor) and type(value) is torch.Tensor and value.shape == param.shape:
@@ -128,19 +127,17 @@ def _refuse_optimizers_outside_the_sharding() -> None:
         params = [param for group in optimizer.param_groups for param in group["params"]]
         for param in params:
             if "_replaced_by_compile_sharded" in vars(param):
-                raise ValueError(
-                    f"{type(optimizer).__name__} holds parameter {param._replaced_by_compile_sharded!r} as it "
-                    "was before compile_sharded, which replaced it by a sharded DTensor parameter, so this step "
-                    "would never update the model: create the optimizer after compile_sharded, from "
-                    "model.parameters() (as with FSDP2's fully_shard)")
+                raise ValueError(f"{type(optimizer).__name__} holds parameter {param._replaced_by_compile_sharded!r} "
+                                 "as it was before compile_sharded, which replaced it by a sharded DTensor parameter, "
+                                 "so this step would never update the model: create the optimizer after "
+                                 "compile_sharded, from model.parameters() (as with FSDP2's fully_shard)")
         sharded = next((param for param in params if "_sharded_by_compile_sharded" in vars(param)), None)
         plain = next((param for param in params if param.requires_grad and not isinstance(param, DTensor)), None)
         if sharded is not None and sharded.device_mesh.size() > 1 and plain is not None:
-            raise ValueError(
-                f"{type(optimizer).__name__} holds a plain parameter of shape {tuple(plain.shape)} beside parameters "
-                "sharded by compile_sharded: no rank averages its gradient, so the ranks would drift apart; apply "
-                "compile_sharded once, to the outermost module, so that it shards every parameter (as FSDP2's "
-                "fully_shard must wrap the root)")
+            raise ValueError(f"{type(optimizer).__name__} holds a plain parameter of shape {tuple(plain.shape)} beside "
+                             "parameters sharded by compile_sharded: no rank averages its gradient, so the ranks would "
+                             "drift apart; apply compile_sharded once, to the outermost module, so that it shards "
+                             "every parameter (as FSDP2's fully_shard must wrap the root)")
         optimizer._param_counts_checked_by_compile_sharded = param_counts
 
     register_optimizer_step_pre_hook(refuse)

@@ -2,8 +2,7 @@
 
 As FSDP2 lays them out: this rank's TP shard is split on dim 0 over the data-parallel mesh, giving a DTensor on the
 (dp, tp) mesh whose dp placement is ``Shard(0)``, or ``_StridedShard(0)`` where TP also shards dim 0 (the dp shard
-is a slice of the TP shard, not of the full tensor). Gathering over dp gives back TP's own DTensor.
-"""
+is a slice of the TP shard, not of the full tensor). Gathering over dp gives back TP's own DTensor."""
 
 from __future__ import annotations
 
@@ -15,10 +14,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def tensor_parallel_mesh(model: nn.Module, mesh: DeviceMesh, mode: str) -> DeviceMesh | None:
-    """The mesh ``parallelize_module`` put ``model``'s DTensor parameters on, or None if it has none.
-
-    Raises ``ValueError`` naming the fix, before any collective, unless that mesh is 1-D, shared by all of them,
-    and ``mesh`` is the other dimension of the same 2-D mesh, for ``fully_shard``."""
+    """The mesh ``parallelize_module`` put ``model``'s DTensor parameters on, or None if it has none. Raises
+    ``ValueError`` naming the fix, before any collective, unless that mesh is 1-D, shared by all of them, and ``mesh``
+    is the other dimension of the same 2-D mesh, for ``fully_shard``."""
     meshes = {param.device_mesh for param in model.parameters() if isinstance(param, DTensor)}
     if not meshes:
         return None
@@ -48,4 +46,3 @@ def shard_tensor_parallel(param: DTensor, mesh: DeviceMesh) -> DTensor:
     spanned = DeviceMesh._concatenate([mesh, param.device_mesh])
     return DTensor.from_local(shard, spanned, (dp_placement, tp_placement), run_check=False, shape=param.shape,
                               stride=param.stride())
-
