@@ -122,9 +122,13 @@ class InspectReport:
         for index, stage in enumerate(self.stages):
             for schedule in stage.schedules:
                 contents[f"{schedule.phase}.{index}-{stage.name}.py"] = schedule.code
-        contents.update({"plan.txt": self.plans(), "summary.txt": self.summary(), "summary.json": json.dumps(
-            {"stages": self.stage_records(), "fault_tolerant": self.fault_tolerant}, indent=2) + "\n",
-            "trace.json": chrome_trace(self.schedules, self.prediction, self.hardware)})
+        contents.update({
+            "plan.txt": self.plans(),
+            "summary.txt": self.summary(),
+            "summary.json": json.dumps({"stages": self.stage_records(), "fault_tolerant": self.fault_tolerant},
+                                       indent=2) + "\n",
+            "trace.json": chrome_trace(self.schedules, self.prediction, self.hardware),
+        })
         for name, text in contents.items():
             (folder / name).write_text(text)
         paths = [folder / name for name in contents]
