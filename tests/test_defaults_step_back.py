@@ -117,13 +117,12 @@ def test_a_region_torch_cannot_build_steps_back_to_the_whole_graph_on_every_rank
 
 
 @pytest.mark.parametrize("build, reason", [
-    (lambda: ComplexRotaryLlama(layers=2), "'freqs_cis' is complex"),
     (lambda: ResNet(layers=2), "'layers.0.bn1' tracks running statistics"),
     (lambda: build("batchnorm_sequential"), "'1' tracks running statistics"),  # the blocks are the batch norms
 ])
 def test_what_regions_cannot_run_is_the_whole_graph_by_default_and_an_error_when_asked(fake_world, capfd, build,
                                                                                        reason):
-    """Complex tensors and batch norms in training fail in torch 2.13's regions (issue 62): by default the model is
+    """Batch norms in training fail in torch 2.13's regions (issue 62): by default the model is
     compiled as a whole graph, with one line saying why; ``compile_blocks_once=True`` raises before any collective,
     its last line naming the fix."""
     model = simplefsdp.compile_sharded(build())
@@ -170,6 +169,17 @@ def test_inspect_traces_falcons_blocks_as_regions():
     report = simplefsdp.inspect(build("falcon", layers=3), (torch.zeros(2, 16, dtype=torch.long),), world_size=2)
     assert report.notes == ()
     assert compilation_time_metrics["invoke_subgraph_reuse_stamp_out"]
+
+
+def test_inspect_traces_complex_rotary_blocks_as_regions():
+    """torchtitan's rotary embedding multiplies by a complex buffer, whose backward reads a conjugate view that torch
+    2.13 cannot pass between regions: traced as a new tensor (``compiling_regions``), every block calls one region in
+    the forward and one in the backward, with no step back."""
+    report = simplefsdp.inspect(ComplexRotaryLlama(layers=3), (torch.zeros(2, 16, dtype=torch.long),), world_size=2)
+    assert report.notes == ()
+    for graph in (report.stage("traced").forward, report.stage("traced").backward):
+        calls = re.findall(r"invoke_subgraph\(\w+, '(\w+)'", graph.code)
+        assert len(calls) == 3 and len(set(calls)) == 1, calls
 
 
 def test_inspect_shares_a_region_between_blocks_that_differ_in_a_setting_their_compute_never_reads():
@@ -256,6 +266,7 @@ def _own_forward(model: nn.Module) -> nn.Module:
     ({"dynamic": True}, lambda: build_model("debug", n_layers=2), False),
     ({}, lambda: _own_forward(build_model("debug", n_layers=2)), False),
     ({}, lambda: nn.Sequential(ReluBlock(), SineBlock(1.0)), False),  # no repeats (the same shapes, not class)
+    ({}, lambda: ComplexRotaryLlama(layers=2), True),  # complex tensors: trained in regions in test_zoo
 ])
 def test_blocks_are_compiled_once_by_default_where_the_model_allows_it(fake_world, options, make, once):
     """``compile_blocks_once=None`` (the default) compiles blocks once when Inductor compiles repeated blocks that a

@@ -52,12 +52,14 @@ LOOKED_UP = {"llama": "model.embed_tokens", "qwen2": "model.embed_tokens", "mixt
              "deepseek_v3": "model.embed_tokens",
              "lora_llama": "base_model.model.model.embed_tokens", "complex_rotary_llama": "embedding"}
 # The models whose repeated blocks compile once, in regions, by default (``compile_blocks_once=None``) and keep them
-# through training: every model with two blocks alike or more but those ``block_regions_refusal`` refuses (a complex
-# buffer, batch norms tracking running statistics), each named in one line. A region that fails to compile would step
-# back to the whole graph, as T5's did while its blocks passed on their input, Mixtral's while another model's shapes
-# compiled it dynamic, and Falcon's while its weights' transposes (``self.weight.T``) made torch 2.13's Dynamo assert.
+# through training: every model with two blocks alike or more but those ``block_regions_refusal`` refuses (batch norms
+# tracking running statistics), each named in one line. A region that fails to compile would step back to the whole
+# graph, as T5's did while its blocks passed on their input, Mixtral's while another model's shapes compiled it
+# dynamic, and Falcon's while its weights' transposes (``self.weight.T``) made torch 2.13's Dynamo assert. The complex
+# rotary Llama's regions need its backward's conjugate made a new tensor (``ir/capture.py: compiling_regions``).
 # Gemma 3's layers read their sliding window, which differs between its two kinds of layer: a region per kind.
-IN_REGIONS = {"llama", "qwen2", "gemma3", "gpt2", "bert", "t5", "vit", "mixtral", "deepseek_v3", "falcon"}
+IN_REGIONS = {"llama", "qwen2", "gemma3", "gpt2", "bert", "t5", "vit", "mixtral", "deepseek_v3", "falcon",
+              "complex_rotary_llama"}
 
 
 def _slice(value, rank: int, ranks: int):

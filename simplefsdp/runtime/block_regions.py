@@ -266,13 +266,8 @@ def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Mo
 
 def block_regions_refusal(model: nn.Module, blocks: tuple[str, ...]) -> str | None:
     """Why ``install_block_regions`` would not run ``blocks`` (a sentence naming the fix), or None: a block's forward
-    replaced on the instance by anything but a checkpoint of its own (``apply_activation_checkpointing``'s); a complex
-    parameter or buffer (torch 2.13's regions have no kernel for the conjugate bit); a block's batch norm that tracks
-    running statistics (its regions refuse buffers updated in place in training)."""
-    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    if complex_tensor := next((name for name, tensor in tensors if tensor.is_complex()), None):
-        return (f"compile_blocks_once cannot pass complex tensors to a region in torch 2.13; {complex_tensor!r} is "
-                "complex: keep it real (torch.view_as_real), or pass compile_blocks_once=False")
+    replaced on the instance by anything but a checkpoint of its own (``apply_activation_checkpointing``'s); a block's
+    batch norm that tracks running statistics (its regions refuse buffers updated in place in training)."""
     for fqn in blocks:
         block = model.get_submodule(fqn)
         norm = next((name for name, module in block.named_modules()
