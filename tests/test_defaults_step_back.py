@@ -68,7 +68,8 @@ def _step_back_on_a_failed_region() -> dict:
     expected = reference(x.detach().requires_grad_())
     expected.sum().backward()
     model(x[rank:rank + 1].detach().requires_grad_())  # a second call runs the whole graph, and says nothing
-    return {"settings": {factors: _blocks_that_differ_in_a_setting(factors, x[rank:rank + 1])
+    return {"transposing": _blocks_that_read_their_inputs_attribute(x[rank:rank + 1]),
+            "settings": {factors: _blocks_that_differ_in_a_setting(factors, x[rank:rank + 1])
                          for factors in ((2.0, 2.0, 2.0), (2.0, 4.0, 2.0), (2.0, 4.0, 2.0, 4.0))},
             "installed": regions_installed, "after": _compiles_blocks_once(model), "said": said.getvalue(),
             "output": torch.equal(output, expected[rank:rank + 1]),
@@ -135,29 +136,63 @@ def test_what_regions_cannot_run_is_the_whole_graph_by_default_and_an_error_when
     assert str(error.value).endswith("pass compile_blocks_once=False")
 
 
-class TransposingBlock(nn.Module):
-    """Multiplies its input's transpose's transpose by a weight: torch 2.13's Dynamo records the attribute read of a
-    region's input (``x.mT``) in the outer graph, and then fails to reuse the region (pytorch/pytorch#191785)."""
+class InPlaceBlock(nn.Module):
+    """Doubles its input in place, then multiplies it by a weight: a region's input is a leaf that requires grad (the
+    second block's, an activation), which autograd does not let an op update in place; the whole graph's is an
+    activation, which it does."""
 
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(8, 8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mT.mT @ self.weight
+        return x.mul_(2) @ self.weight
 
 
 def test_inspect_steps_back_from_regions_torch_refuses_as_compile_sharded_does():
-    """Blocks that fail as regions in torch 2.13's Dynamo: ``inspect`` by default traces the whole graph, the same
-    graphs as ``compile_blocks_once=False``, with a note saying why."""
+    """Blocks that fail as regions in torch 2.13: ``inspect`` by default traces the whole graph, the same graphs as
+    ``compile_blocks_once=False``, with a note saying why."""
     torch.manual_seed(0)
     inputs = (torch.randn(4, 8),)
-    report = simplefsdp.inspect(nn.Sequential(TransposingBlock(), TransposingBlock()), inputs, world_size=2)
-    whole = simplefsdp.inspect(nn.Sequential(TransposingBlock(), TransposingBlock()), inputs, world_size=2,
+    report = simplefsdp.inspect(nn.Sequential(*(InPlaceBlock() for _ in range(3))), inputs, world_size=2)
+    whole = simplefsdp.inspect(nn.Sequential(*(InPlaceBlock() for _ in range(3))), inputs, world_size=2,
                                compile_blocks_once=False)
     (note,) = [note for note in report.notes if "traced as the whole graph" in note]
-    assert "Freevar has no source" in note
+    assert "in-place operation" in note
     assert report.summary().replace(f"note: {note}\n", "") == whole.summary()
+
+
+class TransposingBlock(nn.Module):
+    """Multiplies its input's transpose's transpose by a weight: torch 2.13's Dynamo records the attribute read of a
+    region's input that no op has touched (``x.mT``) in the outer graph, and then asserted as it reused the region
+    (pytorch/pytorch#191785), until regions read their inputs through an alias. Weights of whole numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randint(-2, 3, (8, 8)).float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mT.mT @ self.weight
+
+
+def _blocks_that_read_their_inputs_attribute(x: torch.Tensor) -> dict:
+    """Three ``TransposingBlock``s compiled by default, a forward and backward of ``x`` (whole numbers): whether they
+    stayed in regions, what was said, and whether output and gradients are exactly the unsharded blocks' (sums and
+    products of small whole numbers, and the ranks' mean of two: exact in any order)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(TransposingBlock(), TransposingBlock(), TransposingBlock())
+    reference = copy.deepcopy(model)
+    simplefsdp.compile_sharded(model)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        output = model(x.detach().requires_grad_())
+    output.sum().backward()
+    ranks = torch.distributed.get_world_size()
+    reference(torch.cat([x.detach()] * ranks)).sum().backward()
+    return {"regions": _compiles_blocks_once(model), "said": said.getvalue(),
+            "exact": torch.equal(output, reference(x)) and all(
+                torch.equal(p.grad.full_tensor() * ranks, q.grad) for p, q in zip(model.parameters(),
+                                                                            reference.parameters()))}
 
 
 def test_inspect_traces_falcons_blocks_as_regions():
@@ -169,6 +204,13 @@ def test_inspect_traces_falcons_blocks_as_regions():
     report = simplefsdp.inspect(build("falcon", layers=3), (torch.zeros(2, 16, dtype=torch.long),), world_size=2)
     assert report.notes == ()
     assert compilation_time_metrics["invoke_subgraph_reuse_stamp_out"]
+
+
+def test_blocks_that_read_their_inputs_attribute_train_in_regions(per_rank):
+    """``x.mT`` of a block's input, which torch 2.13's Dynamo asserted on in a region: the blocks stay in regions,
+    nothing is said, and the step is exact (``_blocks_that_read_their_inputs_attribute``). From the launch above."""
+    for result in per_rank:
+        assert result["transposing"] == {"regions": True, "said": "", "exact": True}, result["transposing"]
 
 
 def test_inspect_traces_complex_rotary_blocks_as_regions():
@@ -238,8 +280,8 @@ def _raised_by_module(module: str, error: Exception) -> Exception:
 
 def test_only_a_compile_failure_steps_back_and_not_dynamos_recompile_limit():
     """The step-back takes errors Dynamo or Inductor raised, or wrapped, with their reason, and bare errors raised in
-    their code (torch 2.13's Dynamo asserts on a block reading its input's ``x.mT``: "Freevar has no source", in its
-    reuse of a traced region); not the recompile limit, which ``runtime/compile.py`` raises on purpose on one rank (a
+    their code (torch 2.13's Dynamo asserted "Freevar has no source" in its reuse of a traced region on a block reading
+    its input's ``x.mT``, before regions read their inputs through aliases); not the recompile limit, which ``runtime/compile.py`` raises on purpose on one rank (a
     whole graph there would issue collectives the other ranks' graphs do not), nor an error of the model's own."""
     failure = _raised_from(RuntimeError("while compiling"),
                            torch._dynamo.exc.InternalTorchDynamoError("RuntimeError: the region cannot run"))

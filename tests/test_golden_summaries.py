@@ -45,9 +45,9 @@ def test_fully_shard_summary(fully_shard):
     assert_expected_inline(fully_shard.summary(), """\
 debug, fully_shard, world 8, h100
 stage       collectives  predicted step  exposed comm.  peak memory
-traced               51        1.702 ms       869.1 us   880.08 KiB
-bucketed              9        952.8 us       155.1 us   896.45 KiB
-reordered             9        847.2 us        49.4 us     1.02 MiB
+traced               51        1.698 ms       869.1 us   880.08 KiB
+bucketed              9        948.8 us       155.1 us   896.45 KiB
+reordered             9        843.2 us        49.4 us     1.02 MiB
 
 bucket plan
 forward: 4 bucket(s), 2 block(s) layers.0 .. layers.1
@@ -74,7 +74,7 @@ backward: 1 prefetch(es), 3 sunk wait(s)
   sink wait_tensor_44 to before reduce_scatter_tensor_20
 
 reordered graphs (what runs)
-predicted step 847.2 us: compute 797.7 us, communication 155.1 us, exposed 49.4 us, overlap 68.1%, lower bound 797.7 us
+predicted step 843.2 us: compute 793.7 us, communication 155.1 us, exposed 49.4 us, overlap 68.1%, lower bound 793.7 us
 peak memory per rank 1.02 MiB at backward:all_gather_into_tensor_out: sharded_params 64.16 KiB, unsharded_params 96.25 KiB, gradients 0 B, comm_buffers 0 B, activations 880.17 KiB
 FLOPs per rank per step 1.028e+08
 forward region partitioned_fw_subgraph_0_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
@@ -98,7 +98,7 @@ def test_fully_shard_traced_graphs(fully_shard):
     summary = text_summary(fully_shard.title, traced.schedules, traced.prediction, fully_shard.hardware)
     assert_expected_inline(summary, """\
 debug, fully_shard, world 8, h100
-predicted step 1.702 ms: compute 833.1 us, communication 869.1 us, exposed 869.1 us, overlap 0.0%, lower bound 869.1 us
+predicted step 1.698 ms: compute 829.0 us, communication 869.1 us, exposed 869.1 us, overlap 0.0%, lower bound 869.1 us
 peak memory per rank 880.08 KiB at backward:mm_1: sharded_params 64.16 KiB, unsharded_params 128.38 KiB, gradients 0 B, comm_buffers 0 B, activations 687.55 KiB
 FLOPs per rank per step 1.028e+08
 forward region partitioned_fw_subgraph_0_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
@@ -163,9 +163,9 @@ def test_replicate_summary():
     assert_expected_inline(debug_report("replicate").summary(), """\
 debug, replicate, world 8, h100
 stage       collectives  predicted step  exposed comm.  peak memory
-traced               21        1.322 ms       506.5 us     1.42 MiB
-bucketed              3        894.1 us        74.5 us     1.42 MiB
-reordered             3        848.7 us        29.1 us     1.42 MiB
+traced               21        1.318 ms       506.5 us     1.42 MiB
+bucketed              3        890.1 us        74.5 us     1.42 MiB
+reordered             3        844.7 us        29.1 us     1.42 MiB
 
 bucket plan
 forward: 0 bucket(s), 2 block(s) layers.0 .. layers.1
@@ -181,7 +181,7 @@ backward: 0 prefetch(es), 2 sunk wait(s)
   sink wait_tensor_22 to before all_reduce_20
 
 reordered graphs (what runs)
-predicted step 848.7 us: compute 819.6 us, communication 74.5 us, exposed 29.1 us, overlap 61.0%, lower bound 819.6 us
+predicted step 844.7 us: compute 815.6 us, communication 74.5 us, exposed 29.1 us, overlap 61.0%, lower bound 815.6 us
 peak memory per rank 1.42 MiB at backward:mul_5: sharded_params 513.25 KiB, unsharded_params 0 B, gradients 0 B, comm_buffers 0 B, activations 944.30 KiB
 FLOPs per rank per step 1.028e+08
 forward region partitioned_fw_subgraph_1_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1
@@ -198,9 +198,9 @@ def test_hybrid_shard_summary():
     assert_expected_inline(debug_report("hybrid_shard", H100_4_PER_NODE).summary(), """\
 debug, hybrid_shard, world 8, h100-4-per-node
 stage       collectives  predicted step  exposed comm.  peak memory
-traced               72        1.879 ms       1.046 ms   944.23 KiB
-bucketed             12        977.5 us       175.6 us   960.61 KiB
-reordered            12        897.5 us        95.7 us     1.08 MiB
+traced               72        1.875 ms       1.046 ms   944.23 KiB
+bucketed             12        973.4 us       175.6 us   960.61 KiB
+reordered            12        893.5 us        95.7 us     1.08 MiB
 
 bucket plan
 forward: 4 bucket(s), 2 block(s) layers.0 .. layers.1
@@ -229,7 +229,7 @@ backward: 1 prefetch(es), 2 sunk wait(s)
   sink wait_tensor_67 to before all_reduce_20
 
 reordered graphs (what runs)
-predicted step 897.5 us: compute 801.9 us, communication 175.6 us, exposed 95.7 us, overlap 45.5%, lower bound 801.9 us
+predicted step 893.5 us: compute 797.8 us, communication 175.6 us, exposed 95.7 us, overlap 45.5%, lower bound 797.8 us
 peak memory per rank 1.08 MiB at backward:all_gather_into_tensor_out: sharded_params 128.31 KiB, unsharded_params 96.25 KiB, gradients 0 B, comm_buffers 0 B, activations 880.17 KiB
 FLOPs per rank per step 1.028e+08
 forward region partitioned_fw_subgraph_0_0 (in forward.py): the compute of 2 block(s), layers.0 to layers.1

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.fx.experimental.symbolic_shapes import has_static_value
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from simplefsdp.runtime.compiled_call import set_compiled_call
@@ -162,12 +162,13 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, 
     returns the block's output (rebuilt from the structure recorded while tracing: ``ARCHITECTURE.md``)."""
 
     def run(*flat, **kwargs):
-        # each tensor through an alias first: torch 2.13's Dynamo records a tensor attribute read of a region's input
-        # (Falcon's ``self.weight.T``) in the outer graph, and then cannot reuse the region (pytorch/pytorch#191785)
-        tensors = [torch.ops.aten.alias(tensor) for tensor in flat[:len(names)]]
-        return functional_call(template, dict(zip(names, tensors)), flat[len(names):], kwargs, tie_weights=False)
+        return functional_call(template, dict(zip(names, flat)), flat[len(names):], kwargs, tie_weights=False)
 
     def compute(*flat, **kwargs):
+        # each tensor through an alias first: torch 2.13's Dynamo records a tensor attribute read of a region's input
+        # (Falcon's ``self.weight.T``, a block's ``x.mT``) in the outer graph, and then cannot reuse the region
+        # (pytorch/pytorch#191785)
+        flat, kwargs = tree_map_only(torch.Tensor, torch.ops.aten.alias, (flat, kwargs))
         output = (run(*flat, **kwargs) if checkpointing is None
                   else checkpoint(run, *flat, **kwargs, **dict(checkpointing)))
         leaves, spec = tree_flatten(output)
@@ -321,9 +322,9 @@ def whole_graph_where_regions_fail(model: nn.Module, uninstall: Callable[[], Non
 
 def compiler_failure(error: BaseException) -> str | None:
     """Why the compile failed, in a line, where ``error``, or one it was raised from, is Dynamo's or Inductor's (they
-    wrap AOTAutograd's) or was raised in their code (a bare assertion of Dynamo's on a block reading ``x.mT``); else
-    None. Not Dynamo's recompile limit (``runtime/compile.py`` raises it on purpose: on that rank alone, a whole graph
-    would issue collectives the other ranks' graphs do not)."""
+    wrap AOTAutograd's) or was raised in their code (a bare assertion of Dynamo's); else None. Not Dynamo's recompile
+    limit (``runtime/compile.py`` raises it on purpose: on that rank alone, a whole graph would issue collectives the
+    other ranks' graphs do not)."""
     compiler, innermost = False, error
     while innermost is not None:
         if isinstance(innermost, torch._dynamo.exc.FailOnRecompileLimitHit):
