@@ -48,8 +48,10 @@ def main() -> int:
     if command == "demo":
         args = ["-m", "simplefsdp", "train", "--model", "cpu-small", "--nproc", "2", "--steps", "30", *extra]
     else:
-        # two workers, a file each at a time, longest files first (tests/conftest.py): the suite is CPU-bound
-        args = ["-m", "pytest", *(extra or ["-q", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"])]
+        # two workers, a file each at a time, longest files first (tests/conftest.py): the suite is CPU-bound; the
+        # 20 slowest tests listed at the end, where a CI log says what the suite's time went to
+        args = ["-m", "pytest", *(extra or ["-q", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder",
+                                            "--durations=20"])]
     return subprocess.run([str(PYTHON), *args], cwd=ROOT, env=os.environ).returncode
 
 
