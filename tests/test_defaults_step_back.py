@@ -123,9 +123,9 @@ def test_a_region_torch_cannot_build_steps_back_to_the_whole_graph_on_every_rank
 ])
 def test_what_regions_cannot_run_is_the_whole_graph_by_default_and_an_error_when_asked(fake_world, capfd, build,
                                                                                        reason):
-    """Batch norms in training fail in torch 2.13's regions (issue 62): by default the model is
-    compiled as a whole graph, with one line saying why; ``compile_blocks_once=True`` raises before any collective,
-    its last line naming the fix."""
+    """Batch norms in training fail in torch 2.13's regions (issue 62): by default the model is compiled as a whole
+    graph, with one line saying why; ``compile_blocks_once=True`` raises before any collective, its last line naming
+    the fix."""
     model = simplefsdp.compile_sharded(build())
     assert not _compiles_blocks_once(model)
     said = capfd.readouterr().err.splitlines()
@@ -281,8 +281,9 @@ def _raised_by_module(module: str, error: Exception) -> Exception:
 def test_only_a_compile_failure_steps_back_and_not_dynamos_recompile_limit():
     """The step-back takes errors Dynamo or Inductor raised, or wrapped, with their reason, and bare errors raised in
     their code (torch 2.13's Dynamo asserted "Freevar has no source" in its reuse of a traced region on a block reading
-    its input's ``x.mT``, before regions read their inputs through aliases); not the recompile limit, which ``runtime/compile.py`` raises on purpose on one rank (a
-    whole graph there would issue collectives the other ranks' graphs do not), nor an error of the model's own."""
+    its input's ``x.mT``, before regions read their inputs through aliases); not the recompile limit, which
+    ``runtime/compile.py`` raises on purpose on one rank (a whole graph there would issue collectives the other ranks'
+    graphs do not), nor an error of the model's own."""
     failure = _raised_from(RuntimeError("while compiling"),
                            torch._dynamo.exc.InternalTorchDynamoError("RuntimeError: the region cannot run"))
     assert compiler_failure(failure) == "InternalTorchDynamoError: RuntimeError: the region cannot run"
