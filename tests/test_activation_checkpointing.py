@@ -136,6 +136,36 @@ def test_checkpointed_random_ops_are_saved_not_recomputed():
         assert all(modes.values()), modes
 
 
+def _batch_norm_outputs(mode: str, compile_blocks_once: bool) -> list[torch.Tensor]:
+    """Output, gradients and buffers of a 2-block ResNet (``zoo.ResNet``) after 2 forward and backward calls,
+    checkpointed with ``mode``, compiled with aot_eager."""
+    from zoo import ResNet
+
+    torch.manual_seed(0)
+    model = ResNet(layers=2)
+    apply_activation_checkpointing(model.layers, mode)
+    compile_sharded(model, backend="aot_eager", compile_blocks_once=compile_blocks_once)
+    for step in range(2):
+        output = model(torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(2 * step + dist.get_rank())))
+        output.sum().backward()
+    return [output.detach(), *(param.grad.full_tensor() for param in model.parameters()), *model.buffers()]
+
+
+def _batch_norm_modes() -> dict[str, bool]:
+    """For each checkpointing, in regions and not, whether output, gradients and buffers are bitwise those without."""
+    reference = _batch_norm_outputs("none", False)
+    return {f"{mode}{'-blocks-once' * once}": all(map(torch.equal, _batch_norm_outputs(mode, once), reference))
+            for mode in ("none", "full") for once in (False, True)}
+
+
+def test_checkpointed_batch_norms_update_their_running_statistics_once_a_call():
+    """A checkpointed block recomputes its forward in the backward; its batch norms' running statistics (updated in
+    regions from copies the region returns) and ``num_batches_tracked`` still change once per call: aot_eager runs
+    eager's kernels in eager's order, so all is bitwise the blocks' without checkpointing or regions."""
+    for modes in run_on_ranks(2, _batch_norm_modes):
+        assert all(modes.values()), modes
+
+
 def _saved_activation_bytes(mode: str) -> int:
     """Bytes the compiled forward of the debug model (8 fake ranks) saves for backward, graph inputs excluded."""
     torch.manual_seed(0)

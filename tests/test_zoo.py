@@ -52,14 +52,14 @@ LOOKED_UP = {"llama": "model.embed_tokens", "qwen2": "model.embed_tokens", "mixt
              "deepseek_v3": "model.embed_tokens",
              "lora_llama": "base_model.model.model.embed_tokens", "complex_rotary_llama": "embedding"}
 # The models whose repeated blocks compile once, in regions, by default (``compile_blocks_once=None``) and keep them
-# through training: every model with two blocks alike or more but those ``block_regions_refusal`` refuses (batch norms
-# tracking running statistics), each named in one line. A region that fails to compile would step back to the whole
+# through training: every model with two blocks alike or more, each named in one line. A region that fails to compile would step back to the whole
 # graph, as T5's did while its blocks passed on their input, Mixtral's while another model's shapes compiled it
 # dynamic, and Falcon's while its weights' transposes (``self.weight.T``) made torch 2.13's Dynamo assert. The complex
 # rotary Llama's regions need its backward's conjugate made a new tensor (``ir/capture.py: compiling_regions``).
-# Gemma 3's layers read their sliding window, which differs between its two kinds of layer: a region per kind.
+# Gemma 3's layers read their sliding window, which differs between its two kinds of layer: a region per kind. Batch
+# norms update their running statistics from copies their regions return (``block_regions._region``).
 IN_REGIONS = {"llama", "qwen2", "gemma3", "gpt2", "bert", "t5", "vit", "mixtral", "deepseek_v3", "falcon",
-              "complex_rotary_llama"}
+              "complex_rotary_llama", "resnet", "batchnorm_sequential"}
 
 
 def _slice(value, rank: int, ranks: int):
@@ -109,6 +109,8 @@ def _train_the_zoo() -> dict[str, dict]:
             ddp = DistributedDataParallel(build(name), broadcast_buffers=False)
             ddp_losses, ddp_params = _train(name, ddp, rank, ranks)
             results[name]["reference"] = ddp_losses, {key.removeprefix("module."): p for key, p in ddp_params.items()}
+            results[name]["buffers"], results[name]["reference_buffers"] = (
+                {key: buffer.clone() for key, buffer in trained.named_buffers()} for trained in (model, ddp.module))
     for name in QUANTIZED:
         model = compile_sharded(build(name, layers=1), quantize=Quantize(gather="int8", reduce="int8"),
                                 backend="aot_eager")
@@ -140,6 +142,8 @@ def test_zoo_trains_like_its_reference_with_default_options(per_rank):
                 ref_losses, ref_params = result[name]["reference"]
                 _assert_close(f"{name} rank {rank}", result[name]["losses"], ref_losses, initial, ref_params,
                               [result[name]["params"]])
+                _assert_running_statistics_close(f"{name} rank {rank}", result[name]["buffers"],
+                                                 result[name]["reference_buffers"])
 
 
 def _assert_close(name: str, losses: list[float], ref_losses: list[float], initial: dict, ref_params: dict,
@@ -159,6 +163,22 @@ def _assert_close(name: str, losses: list[float], ref_losses: list[float], initi
         update = torch.cat([(params[key] - initial[key]).flatten() for key in trained])
         difference, bound = relative_difference(update, ref_update), zoo_update_bound(chain, start, ref_update, STEPS)
         assert difference <= bound, f"{name}: update differs by {difference:.2e} (bound {bound:.2e})"
+
+
+def _assert_running_statistics_close(name: str, buffers: dict, reference: dict) -> None:
+    """Batch norms' statistics after the steps: each counted every step (exactly), their means and variances within
+    ``zoo_bound`` norm-wise. Each is a forward quantity (a mean over the rank's pixels, then the momentum's update):
+    the forward half of the reductions the bound counts, on parameters whose differences the update check bounds far
+    below the other half. A statistic not updated, or updated twice a step, is off by its own order."""
+    assert buffers.keys() == reference.keys() and buffers, name
+    counts = [key for key in buffers if key.endswith("num_batches_tracked")]
+    assert {key: buffers[key].item() for key in counts} == {key: STEPS for key in counts}, name
+    assert counts and {key: reference[key].item() for key in counts} == {key: STEPS for key in counts}, name
+    statistics = [key for key in buffers if key not in counts]
+    difference = relative_difference(torch.cat([buffers[key] for key in statistics]),
+                                     torch.cat([reference[key] for key in statistics]))
+    bound = zoo_bound(ZOO[name.split()[0]].chain)
+    assert difference <= bound, f"{name}: running statistics differ by {difference:.2e} (bound {bound:.2e})"
 
 
 def test_tied_gpt2_matches_full_precision_with_int8_communication_as_closely_as_untied_models(per_rank):

@@ -61,8 +61,11 @@ def install_block_regions(model: nn.Module, blocks: tuple[str, ...], replicate: 
         buffers, names = list(block.named_buffers()), list(signature[1])
         if signature not in regions:
             alike = [model.get_submodule(other) for other in blocks if signatures[other] == signature]
+            statistics = _running_statistics(block)
             regions[signature] = {training: _region(_template(block, _differing_settings(alike)).train(training),
                                                     names, signature[3],
+                                                    tuple(index for index, name in enumerate(names)
+                                                          if training and name in statistics),
                                                     f"{len(regions)}_{'train' if training else 'eval'}")
                                   for training in (True, False)}
         replaced[block] = vars(block).get("forward")
@@ -156,10 +159,20 @@ def _unreadable(key: str) -> property:
 READ_SETTING = r"compile_blocks_once ran blocks that differ in '(\w+)' as one region"  # ``_unreadable``'s error
 
 
-def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, name: str) -> Callable:
+def _running_statistics(block: nn.Module) -> set[str]:
+    """The names of the buffers ``block``'s batch norms update in place in training (their running statistics)."""
+    return {f"{prefix}.{name}".lstrip(".") for prefix, module in block.named_modules()
+            if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
+            for name in ("running_mean", "running_var", "num_batches_tracked")}
+
+
+def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, updated: tuple[int, ...],
+            name: str) -> Callable:
     """A call of the nested compile region that runs ``template`` on the tensors named ``names`` (the first positional
     arguments) and the block's own arguments, in ``checkpoint`` with ``checkpointing``'s options if not None, and
-    returns the block's output (rebuilt from the structure recorded while tracing: ``ARCHITECTURE.md``)."""
+    returns the block's output (rebuilt from the structure recorded while tracing: ``ARCHITECTURE.md``). The
+    arguments at ``updated`` (running statistics) are updated from copies the region updates and returns: a region
+    may not update its input in place."""
 
     def run(*flat, **kwargs):
         return functional_call(template, dict(zip(names, flat)), flat[len(names):], kwargs, tie_weights=False)
@@ -169,6 +182,8 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, 
         # (Falcon's ``self.weight.T``, a block's ``x.mT``) in the outer graph, and then cannot reuse the region
         # (pytorch/pytorch#191785)
         flat, kwargs = tree_map_only(torch.Tensor, torch.ops.aten.alias, (flat, kwargs))
+        copies = {index: flat[index].clone() for index in updated}
+        flat = tuple(copies.get(index, tensor) for index, tensor in enumerate(flat))
         output = (run(*flat, **kwargs) if checkpointing is None
                   else checkpoint(run, *flat, **kwargs, **dict(checkpointing)))
         leaves, spec = tree_flatten(output)
@@ -178,11 +193,11 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, 
         rebuilt = [("constant", leaf) if not isinstance(leaf, torch.Tensor)
                    else next((("input", index) for index, tensor in enumerate(inputs) if leaf is tensor), None)
                    for leaf in leaves]
-        if all(how is None for how in rebuilt) and (isinstance(output, torch.Tensor) or (
+        if not updated and all(how is None for how in rebuilt) and (isinstance(output, torch.Tensor) or (
                 isinstance(output, (tuple, list)) and len(output) == len(leaves))):
             return output
         structures[reuse_key(*flat, **kwargs)] = spec, rebuilt
-        return tuple(leaf for leaf, how in zip(leaves, rebuilt) if how is None)
+        return *(leaf for leaf, how in zip(leaves, rebuilt) if how is None), *copies.values()
 
     # Dynamo counts a region's traced variants (at most 8) per code, compared by value: a code of its own per region
     # (its name) lets a model hold more distinct blocks than that (Hugging Face's, each with its own layer_idx)
@@ -198,11 +213,15 @@ def _region(template: nn.Module, names: list[str], checkpointing: tuple | None, 
     region = torch.compiler.nested_compile_region(compute, reuse_hash_fn=reuse_key)
 
     def call(*flat, **kwargs):
-        output = region(*flat, **kwargs)
+        # a copy of each statistic in: the region's backward holds its inputs, and they are updated below
+        output = region(*(tensor.clone() if index in updated else tensor for index, tensor in enumerate(flat)),
+                        **kwargs)
         if (structure := structures.get(reuse_key(*flat, **kwargs))) is None:
             return output
+        for index, statistic in zip(updated, output[len(output) - len(updated):]):
+            flat[index].copy_(statistic)
         spec, rebuilt = structure
-        tensors, inputs = iter(output), _tensors(flat, kwargs)
+        tensors, inputs = iter(output[:len(output) - len(updated)]), _tensors(flat, kwargs)
         return tree_unflatten([next(tensors) if how is None else how[1] if how[0] == "constant" else inputs[how[1]]
                                for how in rebuilt], spec)
 
@@ -267,15 +286,9 @@ def _run_block(fqn: str, modules: tuple[nn.Module, ...], reads: list[tuple[nn.Mo
 
 def block_regions_refusal(model: nn.Module, blocks: tuple[str, ...]) -> str | None:
     """Why ``install_block_regions`` would not run ``blocks`` (a sentence naming the fix), or None: a block's forward
-    replaced on the instance by anything but a checkpoint of its own (``apply_activation_checkpointing``'s); a block's
-    batch norm that tracks running statistics (its regions refuse buffers updated in place in training)."""
+    replaced on the instance by anything but a checkpoint of its own (``apply_activation_checkpointing``'s)."""
     for fqn in blocks:
         block = model.get_submodule(fqn)
-        norm = next((name for name, module in block.named_modules()
-                     if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats), None)
-        if norm is not None:  # "" where the block is the batch norm
-            return (f"compile_blocks_once cannot train a block that updates its buffers in place in torch 2.13; "
-                    f"{f'{fqn}.{norm}'.rstrip('.')!r} tracks running statistics: pass compile_blocks_once=False")
         forward = vars(block).get("forward")
         own = (isinstance(forward, functools.partial) and forward.func is checkpoint and len(forward.args) == 1
                and getattr(forward.args[0], "__self__", None) is block
