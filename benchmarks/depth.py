@@ -1,12 +1,13 @@
-"""Cold first step at depth under the defaults: Hugging Face Llama beside the library's own Llama (issue 62).
+"""Cold first step at depth under the defaults: Hugging Face Llama beside the library's own Llama (issue 62), and
+a ResNet of batch-normed residual blocks (``tests/zoo.py``'s, 16 channels, 8 images of 16 x 16).
 
     python benchmarks/depth.py --layers 2 16 32 --out benchmarks/depth.md
 
 Each run is a fresh process with an empty Inductor cache directory, on a 1-rank gloo world (``compile_sharded``'s
 defaults: Inductor, ``buckets="auto"``, ``compile_blocks_once=None``); it times the first forward, backward and
 AdamW step (the compile) and the median of the next three. Hugging Face's layers differ in ``layer_idx``, so the
-default shares one region among them, its ``layer_idx`` unreadable; the library's blocks are alike. The last
-contender is Hugging Face's Llama as the whole graph (``compile_blocks_once=False``).
+default shares one region among them, its ``layer_idx`` unreadable; the library's blocks are alike. The contenders
+named ``-whole-graph`` are the same models as the whole graph (``compile_blocks_once=False``).
 """
 
 from __future__ import annotations
@@ -19,19 +20,23 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-MODELS = ("hf-llama", "simplefsdp-debug", "hf-llama-whole-graph")  # the last: compile_blocks_once=False
+MODELS = ("hf-llama", "simplefsdp-debug", "hf-llama-whole-graph", "resnet", "resnet-whole-graph")
 
 
-def one_run(model_name: str, layers: int) -> dict:
-    """Build ``model_name`` with ``layers`` blocks (hidden 64), shard and compile it by default, time its steps."""
+def _model_and_batch(model_name: str, layers: int) -> tuple:
+    """``model_name`` with ``layers`` blocks, its input and its classes' targets."""
     import torch
-    import torch.nn.functional as F
-
-    from simplefsdp import compile_sharded
-    from simplefsdp.runtime.block_regions import _run_block
 
     torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    if model_name.startswith("resnet"):
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from zoo import ResNet
+        return (ResNet(layers, channels=16), torch.randn(8, 3, 16, 16, generator=generator),
+                torch.randint(0, 3, (8,), generator=generator))
+    tokens = torch.randint(0, 256, (2, 65), generator=generator)
     if model_name.startswith("hf-llama"):
         from transformers import LlamaConfig, LlamaForCausalLM
         model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=192,
@@ -40,16 +45,27 @@ def one_run(model_name: str, layers: int) -> dict:
     else:
         from simplefsdp.models.llama import build_model
         model = build_model("debug", n_layers=layers)
+    return model, tokens[:, :-1], tokens[:, 1:]
+
+
+def one_run(model_name: str, layers: int) -> dict:
+    """Build ``model_name`` with ``layers`` blocks, shard and compile it by default, time its steps."""
+    import torch
+    import torch.nn.functional as F
+
+    from simplefsdp import compile_sharded
+    from simplefsdp.runtime.block_regions import _run_block
+
+    model, inputs, targets = _model_and_batch(model_name, layers)
     model = compile_sharded(model, compile_blocks_once=False if model_name.endswith("whole-graph") else None)
     regions = any(getattr(vars(m).get("forward"), "func", None) is _run_block for m in model.modules())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
     seconds = []
     for _ in range(4):
         start = time.perf_counter()
-        output = model(tokens[:, :-1])
+        output = model(inputs)
         logits = output if isinstance(output, torch.Tensor) else output.logits
-        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        F.cross_entropy(logits.flatten(0, -2), targets.flatten()).backward()
         optimizer.step()
         optimizer.zero_grad()
         seconds.append(time.perf_counter() - start)
