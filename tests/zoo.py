@@ -77,6 +77,16 @@ def _vit(layers: int) -> nn.Module:
                                                num_attention_heads=4, intermediate_size=96, num_labels=10))
 
 
+def _convnext(layers: int) -> nn.Module:
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    # ConvNeXt-T's stages of 3, 3, 9 and 3 blocks at 18 layers (a 7x7 depthwise convolution, then linear layers over
+    # the channels, moved last); layer scale 0.5, not 1e-6, so that every block's weights move the loss
+    return ConvNextForImageClassification(ConvNextConfig(hidden_sizes=[8, 16, 32, 64], layer_scale_init_value=0.5,
+                                                         depths=[max(1, layers // share) for share in (6, 6, 2, 6)],
+                                                         num_labels=3))
+
+
 def _mixtral(layers: int) -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -286,6 +296,7 @@ ZOO = {
     "bert": ZooModel(_bert, _tokens, _cross_entropy, depth=12),
     "t5": ZooModel(_t5, _encoder_decoder_tokens, _cross_entropy, depth=8, stacks=2),
     "vit": ZooModel(_vit, _features((3, 32, 32), 10), _cross_entropy, depth=12),
+    "convnext": ZooModel(_convnext, _features((3, 32, 32), 3), _cross_entropy, depth=18),
     "complex_rotary_llama": ZooModel(ComplexRotaryLlama, _tokens, _cross_entropy, depth=16),
     "resnet": ZooModel(ResNet, _features((3, 8, 8), 3), _cross_entropy, depth=8, reference="ddp"),
     "batchnorm_sequential": ZooModel(_batchnorm_sequential, _features((3, 8, 8), 3), _cross_entropy,
@@ -309,13 +320,14 @@ def build(name: str, layers: int | None = None) -> nn.Module:
 
 # fp32 bound on one forward+backward of a zoo model computed twice in another order (Inductor's kernels, a batch
 # split over ranks), derived as scenarios.FORWARD_BACKWARD_BOUND:
-# - the longest reduction is at most 257 terms: ViT's patch convolution (3 * 8 * 8 = 192), the 257-word vocabulary,
+# - the longest reduction is at most 257 terms: ViT's patch convolution (3 * 8 * 8 = 192), ConvNeXt's last linear
+#   layer (4 * 64 = 256 inputs), the 257-word vocabulary,
 #   the tokens of a step (2 ranks x 2 x 17 ViT tokens, 2 x 2 x 16 words), the hidden sizes (32-96), a 3x3
 #   convolution over 8 channels (72), a batch norm's statistics over a rank's 2 x 8 x 8 pixels (128);
 # - the dependent chain: ``chain`` blocks of at most 12 reductions each (2 norms of 2 sums each, q, scores, softmax
 #   sum, probs @ v, output projection, router or gate, up, down; a residual block's 2 convolutions and 2 batch norms
-#   hold 6), plus embedding norm, final norm, output layer and the loss's 2 sums: 12 * chain + 5 forward, as many
-#   backward, 1 over ranks;
+#   hold 6, a ConvNeXt block 5, which leaves room for its stem's and 3 downsampling layers' 3 each), plus embedding
+#   norm, final norm, output layer and the loss's 2 sums: 12 * chain + 5 forward, as many backward, 1 over ranks;
 # - at most 2u for each of ~160 elementwise ops per block on that chain (GELU/SiLU, softmax's exp, norms' rsqrt,
 #   residuals, rotary products), twice the debug Llama's 80 per block.
 # Worst-case bounds grow linearly with depth: at 32 blocks about 1.3e-2, where rounding errors of random sign grow

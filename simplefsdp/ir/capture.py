@@ -151,15 +151,18 @@ def _partition(joint_pass: Callable[[fx.GraphModule], object] | None, joint: fx.
 def compiling_regions(gm: fx.GraphModule) -> Iterator[None]:
     """For a Dynamo graph with compiled-once blocks (``invoke_subgraph``): partition with ``recompute_views``, so a
     region's forward saves a weight it reads, not the weight's transpose, and ``recompute_region_inputs`` can point
-    the backward at the gathered weight (regathered in backward); trace each region's schema once; and conjugate
-    complex tensors into new ones, as a region cannot pass a conjugate view (complex multiplication's backward saves
-    one) to its backward in torch 2.13 (no ``Conjugate`` kernel for ``invoke_subgraph``). Else nothing. First, the
-    calls of a region that takes a DTensor (a block's gathers) are inlined into ``gm``."""
+    the backward at the gathered weight (regathered in backward); trace each region's schema once; conjugate complex
+    tensors into new ones, as a region cannot pass a conjugate view (complex multiplication's backward saves one) to
+    its backward in torch 2.13 (no ``Conjugate`` kernel for ``invoke_subgraph``); and keep Inductor from laying out
+    convolutions' outputs channels-last, strides a region's graphs were not traced with (ConvNeXt's blocks then fail
+    to view their input). Else nothing. First, the calls of a region that takes a DTensor (a block's gathers) are
+    inlined into ``gm``."""
     _inline_gather_regions(gm)
     if not gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
         yield
         return
-    with (torch._functorch.config.patch(recompute_views=True), _region_schemas_traced_once(),
+    with (torch._functorch.config.patch(recompute_views=True), torch._inductor.config.patch(layout_optimization=False),
+          _region_schemas_traced_once(),
           mock.patch.dict(select_decomp_table(), {torch.ops.aten._conj.default: torch.conj_physical})):
         yield
 
