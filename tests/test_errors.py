@@ -149,6 +149,29 @@ def test_a_rank_past_dynamos_recompile_limit_stops_instead_of_running_eagerly():
         run_on_ranks(2, _train_on_three_batch_sizes_with_rank_0_allowed_one_graph)
 
 
+def _train_wav2vec2_on_two_graphs_a_frame() -> None:
+    from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+
+    torch._dynamo.config.recompile_limit = 2
+    torch.manual_seed(0)
+    model = Wav2Vec2ForSequenceClassification(Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32, conv_dim=(8, 8),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+        num_labels=3))
+    compile_sharded(model, backend="aot_eager")
+    model(torch.randn(2, 400)).logits.sum().backward()
+
+
+def test_a_model_past_the_recompile_limit_between_graph_breaks_is_told_the_break_and_its_fix():
+    """Hugging Face's wav2vec2 breaks Dynamo's graph (its feature encoder marks its input as requiring grad); Dynamo
+    then compiles each layer's forward on its own, a graph per layer, past the limit (2 here, 8 by default, which its
+    12 layers pass): the error names the breaks, and its last line the model's fix."""
+    with pytest.raises(RuntimeError, match=r"(?s)rank 0: .*compiling Wav2Vec2ForSequenceClassification between its "
+                                           r"graph breaks \(.*setattr\(\) on Tensor.requires_grad.*Fix: set "
+                                           r"model.wav2vec2.feature_extractor._requires_grad = False"):
+        run_on_ranks(2, _train_wav2vec2_on_two_graphs_a_frame)
+
+
 def test_unknown_bucket_mode(no_collectives):
     with pytest.raises(ValueError, match="unknown bucket mode 'per-layer'; choose 'auto', 'block', None, or a manual"):
         compile_sharded(nn.Linear(4, 4), buckets="per-layer")

@@ -72,27 +72,38 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
             filtered = {**(options.get("options") or {}), "guard_filter_fn": without_output_structure_guards}
             options = {**options, "options": filtered}
         compiled = torch.compile(sharded_call, backend=KeepGradientsOfUnusedOutputs(backend), **options)
-        call = _tell_graph_breaks_and_recompiles(_refuse_eager_past_the_recompile_limit(compiled), module)
+        call = _tell_graph_breaks_and_recompiles(_refuse_eager_past_the_recompile_limit(compiled, module), module)
     set_compiled_call(module, agree_on_shapes_every_call(module, call))
 
 
-def _refuse_eager_past_the_recompile_limit(compiled: Callable) -> Callable:
+def _refuse_eager_past_the_recompile_limit(compiled: Callable, module: nn.Module) -> Callable:
     """``compiled``, raising where Dynamo would run a frame eagerly past its recompile limit: that rank's collectives,
-    unbucketed and in eager order, would not match the other ranks' compiled graphs (gloo fails, NCCL hangs)."""
+    unbucketed and in eager order, would not match the other ranks' compiled graphs (gloo fails, NCCL hangs). Where
+    the call broke the graph, the error names the break: Dynamo then compiles the code between breaks, a piece per
+    block, and each block's own modules fail the guards of the piece compiled for the last."""
     dynamo_config = torch._dynamo.config
 
     def call(*args, **kwargs):
         users_setting = dynamo_config.fail_on_recompile_limit_hit  # set and reset: 6 us, config.patch's 190 us
         dynamo_config.fail_on_recompile_limit_hit = True
+        breaks_before = dict(counters["graph_break"])
         try:
             return compiled(*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit as error:
-            raise RuntimeError(
-                f"Dynamo hit its recompile limit (torch._dynamo.config.recompile_limit = "
-                f"{dynamo_config.recompile_limit}) on this rank and would run the model eagerly, issuing "
-                "collectives the other ranks' compiled graphs do not. Run with TORCH_LOGS=recompiles to see which "
-                "guard fails; pass dynamic=True where shapes vary, or raise torch._dynamo.config.recompile_limit on "
-                "every rank.") from error
+            limit = (f"Dynamo hit its recompile limit (torch._dynamo.config.recompile_limit = "
+                     f"{dynamo_config.recompile_limit}) on this rank")
+            eager = "would run the model eagerly, issuing collectives the other ranks' compiled graphs do not"
+            breaks = [reason for reason, count in counters["graph_break"].items()
+                      if count > breaks_before.get(reason, 0)]
+            if breaks:
+                fix = graph_break_fix(module, breaks) or ("make the forward trace as one graph: "
+                                                          "torch.compile(model, fullgraph=True) stops at its first")
+                raise RuntimeError(f"{limit} compiling {type(module).__name__} between its graph breaks "
+                                   f"({'; '.join(reason.splitlines()[0] for reason in breaks)}), and {eager}. "
+                                   f"Fix: {fix}") from error
+            raise RuntimeError(f"{limit} and {eager}. Run with TORCH_LOGS=recompiles to see which guard fails; pass "
+                               "dynamic=True where shapes vary, or raise torch._dynamo.config.recompile_limit on "
+                               "every rank.") from error
         finally:
             dynamo_config.fail_on_recompile_limit_hit = users_setting
 

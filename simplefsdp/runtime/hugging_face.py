@@ -1,5 +1,5 @@
 """What a Hugging Face model needs once sharded: ``save_pretrained`` refused without a full state dict (with the
-recipe), and the fix of the graph breaks its key-value cache makes under gradient checkpointing."""
+recipe), and the fix of the graph breaks its key-value cache and its speech models' feature encoders make."""
 
 from __future__ import annotations
 
@@ -32,9 +32,15 @@ def refuse_saving_shards(model: nn.Module) -> None:
 
 def graph_break_fix(model: nn.Module, reasons: list[str]) -> str | None:
     """The fix of ``model``'s graph breaks (Dynamo's ``reasons``) where this library knows one, or None: Hugging
-    Face's cache under gradient checkpointing logs a warning at each call, which Dynamo cannot trace."""
+    Face's cache under gradient checkpointing logs a warning at each call, and its speech models' feature encoders
+    (wav2vec2's) mark their input as requiring grad, neither of which Dynamo can trace."""
     cache_on = getattr(getattr(model, "config", None), "use_cache", False)
     if cache_on and any("Logger" in reason for reason in reasons):
         return ("set model.config.use_cache = False before training (the key-value cache serves generation; under "
                 "gradient checkpointing Hugging Face warns of it at every call, and each warning breaks the graph)")
+    encoder = next((name for name, module in model.named_modules() if vars(module).get("_requires_grad") is True), None)
+    if encoder is not None and any("requires_grad" in reason for reason in reasons):
+        return (f"set model.{encoder}._requires_grad = False before training (the feature encoder marks its input as "
+                "requiring grad, for gradient checkpointing; its parameters still train), or freeze it: "
+                "model.freeze_feature_encoder()")
     return None
