@@ -1,8 +1,8 @@
 """The zoo on 2 gloo ranks with default options (``compile_sharded(model)``: Inductor, ``buckets="auto"``), each model
 at a real depth (Hugging Face Llama at 32 layers, Qwen2 at 24, ConvNeXt at 18 (3, 3, 9 and 3 blocks), GPT-2, BERT,
-ViT and Gemma 3 at 12, T5 at 8 + 8, Mixtral, DeepSeek-V3 and Falcon at 8, a torchtitan-style Llama with complex
-rotary embeddings at 16, a ResNet of 8 residual blocks with batch norm) against an independent reference: one
-process training the whole batch from the same init, or, for batch norm, ``DistributedDataParallel`` on the same
+ViT, wav2vec2 and Gemma 3 at 12, T5 at 8 + 8, Mixtral, DeepSeek-V3 and Falcon at 8, a torchtitan-style Llama with
+complex rotary embeddings at 16, a ResNet of 8 residual blocks with batch norm) against an independent reference:
+one process training the whole batch from the same init, or, for batch norm, ``DistributedDataParallel`` on the same
 ranks. Every model of ``zoo.ZOO`` trains in one launch (one process start, one gloo group), a few SGD steps each;
 the bounds are derived in ``zoo.py`` as in ``scenarios.py``. The untied token embeddings are looked up where they
 are sharded (the default), as the collectives of the graphs that ran show. The same launch trains a subset again
@@ -52,15 +52,16 @@ LOOKED_UP = {"llama": "model.embed_tokens", "qwen2": "model.embed_tokens", "mixt
              "deepseek_v3": "model.embed_tokens",
              "lora_llama": "base_model.model.model.embed_tokens", "complex_rotary_llama": "embedding"}
 # The models whose repeated blocks compile once, in regions, by default (``compile_blocks_once=None``) and keep them
-# through training: every model with two blocks alike or more, each named in one line. A region that fails to compile would step back to the whole
-# graph, as T5's did while its blocks passed on their input, Mixtral's while another model's shapes compiled it
-# dynamic, and Falcon's while its weights' transposes (``self.weight.T``) made torch 2.13's Dynamo assert. The complex
-# rotary Llama's regions need its backward's conjugate made a new tensor (``ir/capture.py: compiling_regions``).
-# Gemma 3's layers read their sliding window, which differs between its two kinds of layer: a region per kind. Batch
-# norms update their running statistics from copies their regions return (``block_regions._region``). ConvNeXt's
-# blocks failed in Inductor while it laid the convolutions' outputs out channels-last (``compiling_regions``).
-IN_REGIONS = {"llama", "qwen2", "gemma3", "gpt2", "bert", "t5", "vit", "convnext", "mixtral", "deepseek_v3", "falcon",
-              "complex_rotary_llama", "resnet", "batchnorm_sequential"}
+# through training: every model with two blocks alike or more, each named in one line. A region that fails to compile
+# would step back to the whole graph, as T5's did while its blocks passed on their input, Mixtral's while another
+# model's shapes compiled it dynamic, and Falcon's while its weights' transposes (``self.weight.T``) made torch 2.13's
+# Dynamo assert. The complex rotary Llama's regions need its backward's conjugate made a new tensor (``ir/capture.py:
+# compiling_regions``). Gemma 3's layers read their sliding window, which differs between its two kinds of layer: a
+# region per kind. Batch norms update their running statistics from copies their regions return
+# (``block_regions._region``). ConvNeXt's blocks failed in Inductor while it laid the convolutions' outputs out
+# channels-last (``compiling_regions``).
+IN_REGIONS = {"llama", "qwen2", "gemma3", "gpt2", "bert", "t5", "vit", "convnext", "wav2vec2", "mixtral", "deepseek_v3",
+              "falcon", "complex_rotary_llama", "resnet", "batchnorm_sequential"}
 
 
 def _slice(value, rank: int, ranks: int):

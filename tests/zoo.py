@@ -87,6 +87,20 @@ def _convnext(layers: int) -> nn.Module:
                                                          num_labels=3))
 
 
+def _wav2vec2(layers: int) -> nn.Module:
+    from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+
+    # two convolutions over the waveform (400 samples: 39 frames), a grouped positional convolution under weight norm,
+    # then the transformer layers; no dropout, masking or layer drop (random); the fix the graph break's error names
+    model = Wav2Vec2ForSequenceClassification(Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+        num_labels=3, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+        final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0))
+    model.wav2vec2.feature_extractor._requires_grad = False
+    return model
+
+
 def _mixtral(layers: int) -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -297,6 +311,7 @@ ZOO = {
     "t5": ZooModel(_t5, _encoder_decoder_tokens, _cross_entropy, depth=8, stacks=2),
     "vit": ZooModel(_vit, _features((3, 32, 32), 10), _cross_entropy, depth=12),
     "convnext": ZooModel(_convnext, _features((3, 32, 32), 3), _cross_entropy, depth=18),
+    "wav2vec2": ZooModel(_wav2vec2, _features((400,), 3), _cross_entropy, depth=12),
     "complex_rotary_llama": ZooModel(ComplexRotaryLlama, _tokens, _cross_entropy, depth=16),
     "resnet": ZooModel(ResNet, _features((3, 8, 8), 3), _cross_entropy, depth=8, reference="ddp"),
     "batchnorm_sequential": ZooModel(_batchnorm_sequential, _features((3, 8, 8), 3), _cross_entropy,
@@ -321,9 +336,9 @@ def build(name: str, layers: int | None = None) -> nn.Module:
 # fp32 bound on one forward+backward of a zoo model computed twice in another order (Inductor's kernels, a batch
 # split over ranks), derived as scenarios.FORWARD_BACKWARD_BOUND:
 # - the longest reduction is at most 257 terms: ViT's patch convolution (3 * 8 * 8 = 192), ConvNeXt's last linear
-#   layer (4 * 64 = 256 inputs), the 257-word vocabulary,
-#   the tokens of a step (2 ranks x 2 x 17 ViT tokens, 2 x 2 x 16 words), the hidden sizes (32-96), a 3x3
-#   convolution over 8 channels (72), a batch norm's statistics over a rank's 2 x 8 x 8 pixels (128);
+#   layer (4 * 64 = 256 inputs), wav2vec2's positional convolution (16 taps x 8 channels), the 257-word vocabulary,
+#   the tokens of a step (2 ranks x 2 x 17 ViT tokens, 2 x 2 x 16 words), the hidden sizes (32-96), a 3x3 convolution
+#   over 8 channels (72), a batch norm's statistics over a rank's 2 x 8 x 8 pixels (128);
 # - the dependent chain: ``chain`` blocks of at most 12 reductions each (2 norms of 2 sums each, q, scores, softmax
 #   sum, probs @ v, output projection, router or gate, up, down; a residual block's 2 convolutions and 2 batch norms
 #   hold 6, a ConvNeXt block 5, which leaves room for its stem's and 3 downsampling layers' 3 each), plus embedding
