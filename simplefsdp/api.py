@@ -18,7 +18,7 @@ from simplefsdp.runtime.agreed_profile import agreed_profile
 from simplefsdp.runtime.block_regions import block_regions_refusal, distinct_blocks
 from simplefsdp.runtime.compiled_call import set_compiled_call
 from simplefsdp.runtime.gloo_exit import settle_gloo_collectives_at_exit
-from simplefsdp.runtime.hugging_face import refuse_saving_shards
+from simplefsdp.runtime.hugging_face import install_output_capturing_hooks, refuse_saving_shards
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import check_mesh, data_parallel_groups, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
@@ -193,7 +193,8 @@ def compile_sharded(
     replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,
                                      reshard_after_forward=reshard_after_forward and mode != "replicate",
                                      quantize=quantize, tensor_parallel=tp_mesh)
-    shard_parameters(model, mesh, mode, replicate, block_fqns, sharded_lookup)
+    install_output_capturing_hooks(model)  # before sharding gives modules classes of their own: transformers finds
+    shard_parameters(model, mesh, mode, replicate, block_fqns, sharded_lookup)  # a model's hooks by its class
     gather_tied_once_per_call(model, replicate)
     if mp_policy.param_dtype is not None:
         cast_floating_inputs(model, mp_policy.param_dtype)

@@ -5,6 +5,7 @@ and ``save_pretrained`` name."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import subprocess
@@ -124,6 +125,22 @@ def test_a_graph_break_of_hugging_faces_cache_under_gradient_checkpointing_names
     (warning,) = first_call_warnings(use_cache=True)
     assert warning.splitlines()[-1].startswith("Fix: set model.config.use_cache = False")
     assert first_call_warnings(use_cache=False) == []
+
+
+def test_hidden_states_asked_for_at_the_first_call_break_no_graph(one_rank_world):
+    """transformers installs its output-capturing hooks at the first call that asks for hidden states, under a lock
+    Dynamo cannot enter (a graph break, and inspect could not trace wav2vec2, whose classifier always asks);
+    compile_sharded installs them before: no break, and the hidden states are eager's, bitwise (aot_eager, 1 rank)."""
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny_llama_config())
+    model = simplefsdp.compile_sharded(copy.deepcopy(reference), backend="aot_eager")
+    tokens = torch.arange(16).reshape(2, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hidden = model(tokens, output_hidden_states=True).hidden_states
+    assert [str(warning.message) for warning in caught if "graph-breaks" in str(warning.message)] == []
+    expected = reference(tokens, output_hidden_states=True).hidden_states
+    assert len(hidden) == len(expected) == 3 and all(map(torch.equal, hidden, expected))
 
 
 def test_save_pretrained_of_a_sharded_model_names_the_full_state_dict_recipe(tmp_path, one_rank_world):

@@ -1,8 +1,10 @@
 """What a Hugging Face model needs once sharded: ``save_pretrained`` refused without a full state dict (with the
-recipe), and the fix of the graph breaks its key-value cache and its speech models' feature encoders make."""
+recipe), its output-capturing hooks installed before any compile, and the fix of the graph breaks its key-value cache
+and its speech models' feature encoders make."""
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 from torch import nn
@@ -44,3 +46,19 @@ def graph_break_fix(model: nn.Module, reasons: list[str]) -> str | None:
                 "requiring grad, for gradient checkpointing; its parameters still train), or freeze it: "
                 "model.freeze_feature_encoder()")
     return None
+
+
+def install_output_capturing_hooks(model: nn.Module) -> None:
+    """Install transformers' hooks that capture ``output_hidden_states`` and ``output_attentions`` now, on each model
+    whose forward would (``capture_outputs``): transformers installs them at the first call that asks (wav2vec2's
+    classifier always does) under a lock Dynamo cannot enter, a graph break that ``inspect`` cannot trace."""
+    if "transformers" not in sys.modules:  # not a Hugging Face model: importing transformers would cost seconds
+        return
+    from transformers.utils.output_capturing import maybe_install_capturing_hooks
+
+    for module in model.modules():
+        forward = type(module).forward
+        while forward is not None and forward.__code__.co_qualname.split(".")[0] != "capture_outputs":
+            forward = getattr(forward, "__wrapped__", None)
+        if forward is not None:
+            maybe_install_capturing_hooks(module)
