@@ -193,8 +193,9 @@ def compile_sharded(
     replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,
                                      reshard_after_forward=reshard_after_forward and mode != "replicate",
                                      quantize=quantize, tensor_parallel=tp_mesh)
-    install_output_capturing_hooks(model)  # before sharding gives modules classes of their own: transformers finds
-    shard_parameters(model, mesh, mode, replicate, block_fqns, sharded_lookup)  # a model's hooks by its class
+    # before sharding gives modules classes of their own: transformers finds a model's hooks by its class
+    install_output_capturing_hooks(model)
+    shard_parameters(model, mesh, mode, replicate, block_fqns, sharded_lookup)
     gather_tied_once_per_call(model, replicate)
     if mp_policy.param_dtype is not None:
         cast_floating_inputs(model, mp_policy.param_dtype)
