@@ -54,11 +54,14 @@ def install_output_capturing_hooks(model: nn.Module) -> None:
     classifier always does) under a lock Dynamo cannot enter, a graph break that ``inspect`` cannot trace."""
     if "transformers" not in sys.modules:  # not a Hugging Face model: importing transformers would cost seconds
         return
-    from transformers.utils.output_capturing import maybe_install_capturing_hooks
-
-    for module in model.modules():
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # transformers before 5: no hooks installed at a call
+        return
+    for module in model.modules():  # a forward wrapped by a function of output_capturing's: capture_outputs
         forward = type(module).forward
-        while forward is not None and forward.__code__.co_qualname.split(".")[0] != "capture_outputs":
+        while forward is not None and getattr(forward, "__globals__", {}).get("__name__") != (
+                maybe_install_capturing_hooks.__module__):
             forward = getattr(forward, "__wrapped__", None)
         if forward is not None:
             maybe_install_capturing_hooks(module)
