@@ -193,7 +193,7 @@ def compile_sharded(
     replicate = ReplicateComputation(mp_policy.param_dtype, mp_policy.reduce_dtype,
                                      reshard_after_forward=reshard_after_forward and mode != "replicate",
                                      quantize=quantize, tensor_parallel=tp_mesh)
-    # before sharding gives modules classes of their own: transformers finds a model's hooks by its class
+    # before sharding gives modules subclasses: transformers finds a model's hooks by its class
     install_output_capturing_hooks(model)
     shard_parameters(model, mesh, mode, replicate, block_fqns, sharded_lookup)
     gather_tied_once_per_call(model, replicate)
@@ -202,7 +202,7 @@ def compile_sharded(
     add_gradient_sync_methods(model, replicate.sync, functools.partial(reduce_pending, replicate))
     checkpoint_hugging_face_layers_fully(model)  # before regions copy the blocks
     refuse_saving_shards(model)
-    if compile_blocks_once:  # the blocks found before sharding, which gives each module a class of its own
+    if compile_blocks_once:  # the blocks found before sharding, which gives modules subclasses
         from simplefsdp.runtime.block_regions import install_block_regions
         uninstall_regions = install_block_regions(model, block_fqns, replicate,
                                                   gathers_in_region=backend == "inductor", strict=strict_regions)

@@ -164,8 +164,9 @@ def _train_wav2vec2_on_two_graphs_a_frame() -> None:
 
 def test_a_model_past_the_recompile_limit_between_graph_breaks_is_told_the_break_and_its_fix():
     """Hugging Face's wav2vec2 breaks Dynamo's graph (its feature encoder marks its input as requiring grad); Dynamo
-    then compiles each layer's forward on its own, a graph per layer, past the limit (2 here, 8 by default, which its
-    12 layers pass): the error names the breaks, and its last line the model's fix."""
+    then compiles the code between breaks frame by frame, the frame that reads a parameter once per parameter name,
+    past the limit (2 here; 8 by default, which 12 layers stay within: ``test_zoo``): the error names the breaks, and
+    its last line the model's fix."""
     with pytest.raises(RuntimeError, match=r"(?s)rank 0: .*compiling Wav2Vec2ForSequenceClassification between its "
                                            r"graph breaks \(.*setattr\(\) on Tensor.requires_grad.*Fix: set "
                                            r"model.wav2vec2.feature_extractor._requires_grad = False"):

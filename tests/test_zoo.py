@@ -1,7 +1,8 @@
 """The zoo on 2 gloo ranks with default options (``compile_sharded(model)``: Inductor, ``buckets="auto"``), each model
 at a real depth (Hugging Face Llama at 32 layers, Qwen2 at 24, ConvNeXt at 18 (3, 3, 9 and 3 blocks), GPT-2, BERT,
 ViT, wav2vec2 and Gemma 3 at 12, T5 at 8 + 8, Mixtral, DeepSeek-V3 and Falcon at 8, a torchtitan-style Llama with
-complex rotary embeddings at 16, a ResNet of 8 residual blocks with batch norm) against an independent reference:
+complex rotary embeddings at 16, a ResNet of 8 residual blocks with batch norm; wav2vec2 again as it comes, its
+graph broken) against an independent reference:
 one process training the whole batch from the same init, or, for batch norm, ``DistributedDataParallel`` on the same
 ranks. Every model of ``zoo.ZOO`` trains in one launch (one process start, one gloo group), a few SGD steps each;
 the bounds are derived in ``zoo.py`` as in ``scenarios.py``. The untied token embeddings are looked up where they
@@ -16,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -113,6 +115,12 @@ def _train_the_zoo() -> dict[str, dict]:
             results[name]["reference"] = ddp_losses, {key.removeprefix("module."): p for key, p in ddp_params.items()}
             results[name]["buffers"], results[name]["reference_buffers"] = (
                 {key: buffer.clone() for key, buffer in trained.named_buffers()} for trained in (model, ddp.module))
+    # wav2vec2 as it comes, its graph broken (aot_eager: Dynamo's frames are the point, not Inductor's kernels)
+    model = build("wav2vec2")
+    model.wav2vec2.feature_extractor._requires_grad = True
+    breaks = sum(counters["graph_break"].values())
+    results["wav2vec2"]["as_it_comes"] = _train("wav2vec2", compile_sharded(model, backend="aot_eager"), rank, ranks)
+    results["wav2vec2"]["graph_breaks"] = sum(counters["graph_break"].values()) - breaks
     for name in QUANTIZED:
         model = compile_sharded(build(name, layers=1), quantize=Quantize(gather="int8", reduce="int8"),
                                 backend="aot_eager")
@@ -181,6 +189,19 @@ def _assert_running_statistics_close(name: str, buffers: dict, reference: dict) 
                                      torch.cat([reference[key] for key in statistics]))
     bound = zoo_bound(ZOO[name.split()[0]].chain)
     assert difference <= bound, f"{name}: running statistics differ by {difference:.2e} (bound {bound:.2e})"
+
+
+def test_a_model_whose_forward_breaks_the_graph_compiles_each_layers_frames_once(per_rank):
+    """Hugging Face's wav2vec2 as it comes: its feature encoder sets ``requires_grad`` on its input, a graph break
+    Dynamo cannot resume from, so it compiles the code between breaks frame by frame, each layer's forward among them.
+    Its 12 layers share those frames' graphs (the sharded modules of one class share one subclass), where each layer's
+    own subclass failed the guards of the graphs compiled for the others, past Dynamo's recompile limit of 8. The
+    reference and bounds are the zoo's."""
+    assert all(result["wav2vec2"]["graph_breaks"] for result in per_rank)
+    ref_losses, ref_params = _train("wav2vec2", build("wav2vec2"))
+    losses = [sum(values) / 2 for values in zip(*(result["wav2vec2"]["as_it_comes"][0] for result in per_rank))]
+    _assert_close("wav2vec2", losses, ref_losses, dict(build("wav2vec2").named_parameters()), ref_params,
+                  [result["wav2vec2"]["as_it_comes"][1] for result in per_rank])
 
 
 def test_tied_gpt2_matches_full_precision_with_int8_communication_as_closely_as_untied_models(per_rank):

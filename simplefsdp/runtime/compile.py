@@ -79,8 +79,8 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
 def _refuse_eager_past_the_recompile_limit(compiled: Callable, module: nn.Module) -> Callable:
     """``compiled``, raising where Dynamo would run a frame eagerly past its recompile limit: that rank's collectives,
     unbucketed and in eager order, would not match the other ranks' compiled graphs (gloo fails, NCCL hangs). Where
-    the call broke the graph, the error names the break: Dynamo then compiles the code between breaks, a piece per
-    block, and each block's own modules fail the guards of the piece compiled for the last."""
+    the call broke the graph, the error names the break: Dynamo then compiles the code between breaks frame by frame,
+    a graph for each setting a frame's guards tell apart (a block's, a parameter's name)."""
     dynamo_config = torch._dynamo.config
 
     def call(*args, **kwargs):

@@ -54,6 +54,10 @@ class ReplicateComputation:
     tensor_parallel: DeviceMesh | None = None  # the mesh of TP's DTensors (``parallelize_module``), if any
     sync: GradientSync = field(default_factory=GradientSync, compare=False)
     gathers: ForwardGathers = field(default_factory=ForwardGathers, compare=False)
+    # The classes install_getters made for this computation, by module class and parameter names: shared, so that
+    # Dynamo's guards on a block's type hold for every block alike.
+    getter_classes: dict[tuple[type, tuple[str, ...]], type] = field(default_factory=dict, init=False, compare=False,
+                                                                     repr=False)
 
     def gather(self, param: DTensor, error: torch.Tensor | None) -> torch.Tensor:
         """All-gather ``param`` in ``param_dtype``; its gradient is averaged over ranks in ``reduce_dtype``, or both
@@ -85,6 +89,10 @@ class ReplicateComputation:
         FSDP2 keeps its root's and torchtitan its last block's (the backward gathers them first)."""
         if not self.reshard_after_forward or not blocks or block_of(fqn, blocks) not in (None, blocks[-1]):
             return self
+        return self._kept_from_forward_to_backward
+
+    @functools.cached_property
+    def _kept_from_forward_to_backward(self) -> ReplicateComputation:
         return dataclasses.replace(self, reshard_after_forward=False)
 
     def compute_view(self, param: DTensor, accumulator: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
@@ -152,12 +160,16 @@ class ReplicateComputation:
 def install_getters(module: nn.Module, keys: dict[str, int], accumulators: dict[str, torch.Tensor],
                     errors: dict[str, torch.Tensor | None], replicate: ReplicateComputation) -> None:
     """Make ``module.<name>`` return ``replicate(module._parameters[name], accumulators[name], errors[name])`` in the
-    forward (``_read_parameter``), by a subclass with one property per name: ``state_dict`` still sees the shards."""
+    forward (``_read_parameter``), by a subclass with one property per name, one for all modules of a class alike
+    (a graph Dynamo compiles for one block serves the others): ``state_dict`` still sees the shards."""
     module._gather_keys, module._grad_accumulators, module._error_feedback = keys, accumulators, errors
     cls = module._class_without_getters = module.__class__
-    getters = {name: property(functools.partial(_read_parameter, name=name, replicate=replicate))
-               for name in accumulators}
-    module.__class__ = type(f"Sharded{cls.__name__}", (cls,), getters)
+    key = (cls, tuple(accumulators))
+    if key not in replicate.getter_classes:
+        getters = {name: property(functools.partial(_read_parameter, name=name, replicate=replicate))
+                   for name in accumulators}
+        replicate.getter_classes[key] = type(f"Sharded{cls.__name__}", (cls,), getters)
+    module.__class__ = replicate.getter_classes[key]
 
 
 _MODULE_CALL = nn.Module._call_impl.__code__  # private: the frame every module call (hooks, forward) runs in
