@@ -157,6 +157,32 @@ class WithGraphBreak(nn.Module):
         return self.second(hidden)
 
 
+class BreakingBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.linear(x)
+        torch._dynamo.graph_break()
+        return torch.tanh(hidden)
+
+
+class WithGraphBreakInEachBlock(nn.Module):
+    """Nine blocks whose forwards each break Dynamo's graph: Dynamo compiles the blocks' frames on their own, and
+    there are more blocks than its recompile limit (8) allows graphs per frame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(BreakingBlock() for _ in range(9))
+        self.output = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(x)
+
+
 def _token_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(0, 256, (size, 17), generator=torch.Generator().manual_seed(100 + step))
     return tokens[:, :-1], tokens[:, 1:]
@@ -189,6 +215,7 @@ SCENARIOS = {
     "frozen_layer": (WithFrozenLayer, _feature_batch(8, 3), _mse_loss),
     "buffer": (WithBuffer, _feature_batch(8, 3), _mse_loss),
     "graph_break": (WithGraphBreak, _feature_batch(8, 3), _mse_loss),
+    "graph_break_in_each_block": (WithGraphBreakInEachBlock, _feature_batch(8, 3), _mse_loss),
 }
 
 

@@ -59,6 +59,8 @@ TWO_RANK_JOBS = {
         for name, options in (("eager", EAGER), ("inductor", INDUCTOR))
     },
     "graph_break-inductor": ("graph_break", "simplefsdp", INDUCTOR),
+    # each block's frames compiled once for all nine (aot_eager: Dynamo's frames are the point, not Inductor's kernels)
+    "graph_break_in_each_block-aot_eager": ("graph_break_in_each_block", "simplefsdp", {"backend": "aot_eager"}),
     # the whole graph, beside the default (each block's compute compiled once; "tied_llama" ties weights outside
     # the blocks)
     "llama-whole-graph-inductor": ("llama", "simplefsdp", {**INDUCTOR, "compile_blocks_once": False}),
