@@ -71,6 +71,7 @@ def _step_back_on_a_failed_region() -> dict:
     return {"transposing": _blocks_that_read_their_inputs_attribute(x[rank:rank + 1]),
             "settings": {factors: _blocks_that_differ_in_a_setting(factors, x[rank:rank + 1])
                          for factors in ((2.0, 2.0, 2.0), (2.0, 4.0, 2.0), (2.0, 4.0, 2.0, 4.0))},
+            "strided": _compiled_by_default(_strided_blocks(1, 2, 1, 2), torch.ones(1, 4, 16, 16)),
             "installed": regions_installed, "after": _compiles_blocks_once(model), "said": said.getvalue(),
             "output": torch.equal(output, expected[rank:rank + 1]),
             "grads": all(torch.equal(p.grad.full_tensor() * 2, q.grad)  # the ranks' mean of sums, the whole batch's sum
@@ -79,11 +80,15 @@ def _step_back_on_a_failed_region() -> dict:
 
 
 def _blocks_that_differ_in_a_setting(factors: tuple[float, ...], x: torch.Tensor) -> dict:
-    """``IndexedBlock``s with ``factors``, compiled by default: whether they run as regions, how often Dynamo
-    traced one, what rank 0 said, and whether the output is exactly the unsharded blocks' (products of powers of 2
-    and one rounding each: exact in any kernel)."""
+    """``IndexedBlock``s with ``factors``, as ``_compiled_by_default`` reads them (products of powers of 2 and one
+    rounding each: exact in any kernel)."""
     torch.manual_seed(0)
-    model = nn.Sequential(*(IndexedBlock(index, factor) for index, factor in enumerate(factors)))
+    return _compiled_by_default(nn.Sequential(*map(IndexedBlock, range(len(factors)), factors)), x)
+
+
+def _compiled_by_default(model: nn.Module, x: torch.Tensor) -> dict:
+    """``model`` compiled by default and called on ``x``: whether its blocks run as regions, how often Dynamo traced
+    one, what rank 0 said, and whether the output is exactly the unsharded model's."""
     reference = copy.deepcopy(model)
     simplefsdp.compile_sharded(model)
     compilation_time_metrics.clear()
@@ -256,6 +261,11 @@ def test_blocks_that_differ_only_in_a_setting_the_compute_never_reads_are_traced
                 "compiling a region per value of it"], read_alternating
         else:
             assert read_alternating["said"] == "", read_alternating
+        # a torch.nn setting that differs (a convolution's stride) keys the regions from the start: nothing said,
+        # the gathers' region traced once and each block's compute once (each sees a stride and an input shape of
+        # its own); a failed attempt first would add two traces
+        strided = result["strided"]
+        assert strided["regions"] and strided["exact"] and strided["said"] == "" and strided["traced"] == 5, strided
 
 
 def _raised_from(error: Exception, cause: Exception) -> Exception:
@@ -292,6 +302,18 @@ def test_only_a_compile_failure_steps_back_and_not_dynamos_recompile_limit():
     assert compiler_failure(_raised_by_module("transformers.models.falcon", AssertionError("the model's"))) is None
 
 
+def _strided_blocks(*strides: int) -> nn.Module:
+    """Convolutions with ``strides``, their weights -1, 0 or 1: on whole numbers every sum is a whole number below
+    36 ** len(strides) (4 channels x 9 taps per layer), exact in fp32 in any order up to 4 blocks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Conv2d(4, 4, 3, stride=stride, padding=1, bias=False), nn.ReLU())
+                            for stride in strides))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randint(-1, 2, parameter.shape))
+    return model
+
+
 def _own_forward(model: nn.Module) -> nn.Module:
     model.layers[1].forward = lambda *args, **kwargs: type(model.layers[1]).forward(model.layers[1], *args, **kwargs)
     return model
@@ -308,6 +330,10 @@ def _own_forward(model: nn.Module) -> nn.Module:
     ({}, lambda: nn.Sequential(ReluBlock(), SineBlock(1.0)), False),  # no repeats (the same shapes, not class)
     ({}, lambda: ComplexRotaryLlama(layers=2), True),  # complex tensors: trained in regions in test_zoo
     ({}, lambda: ResNet(layers=2), True),  # batch norms' running statistics: trained in regions in test_zoo
+    # blocks that differ in a torch.nn module's setting, which its forward reads: a region per value of it, without
+    # a failed attempt first (MobileNetV2's strided blocks), where two blocks share one
+    ({}, lambda: _strided_blocks(1, 2, 1, 2), True),
+    ({}, lambda: _strided_blocks(1, 2), False),
 ])
 def test_blocks_are_compiled_once_by_default_where_the_model_allows_it(fake_world, options, make, once):
     """``compile_blocks_once=None`` (the default) compiles blocks once when Inductor compiles repeated blocks that a

@@ -94,8 +94,10 @@ def distinct_blocks(model: nn.Module, blocks: tuple[str, ...], keyed: frozenset[
 
 
 def _settings_named(structure: tuple, keyed: frozenset[str]) -> tuple:
-    """``_structure``'s tuple with each setting's name alone, not its value, but for the settings in ``keyed``."""
-    return tuple((prefix, cls, tuple((key, value) if key in keyed else key for key, value in settings))
+    """``_structure``'s tuple with each setting's name alone, not its value, but for the settings in ``keyed`` and
+    those of torch.nn's own modules, whose forwards read them (a convolution's ``stride``, a dropout's ``p``)."""
+    return tuple((prefix, cls, tuple((key, value) if key in keyed or cls.__module__.startswith("torch.nn.") else key
+                                     for key, value in settings))
                  for prefix, cls, settings in structure)
 
 
