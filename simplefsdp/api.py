@@ -18,7 +18,7 @@ from simplefsdp.runtime.agreed_profile import agreed_profile
 from simplefsdp.runtime.block_regions import block_regions_refusal, distinct_blocks
 from simplefsdp.runtime.compiled_call import set_compiled_call
 from simplefsdp.runtime.gloo_exit import settle_gloo_collectives_at_exit
-from simplefsdp.runtime.hugging_face import install_output_capturing_hooks, refuse_saving_shards
+from simplefsdp.runtime.hugging_face import install_output_capturing_hooks, refuse_saving_shards, train_without_cache
 from simplefsdp.runtime.grad_sync import add_gradient_sync_methods
 from simplefsdp.runtime.mesh import check_mesh, data_parallel_groups, default_mesh
 from simplefsdp.runtime.mixed_precision import MixedPrecision, cast_floating_inputs
@@ -195,6 +195,7 @@ def compile_sharded(
                                      quantize=quantize, tensor_parallel=tp_mesh)
     # before sharding gives modules subclasses: transformers finds a model's hooks by its class
     install_output_capturing_hooks(model)
+    train_without_cache(model)
     shard_parameters(model, mesh, mode, replicate, block_fqns, sharded_lookup)
     gather_tied_once_per_call(model, replicate)
     if mp_policy.param_dtype is not None:

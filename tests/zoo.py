@@ -3,8 +3,9 @@
 Each entry builds its model from seed 0 (random init, no download), makes a global batch per step, and names its
 reference: ``"process"`` (one process on the whole batch) or ``"ddp"`` (``DistributedDataParallel`` on the same
 ranks, where batch statistics make one process train another model). Shapes are picked so that some parameters
-shard unevenly or leave a rank empty on 2 ranks (first dimensions 1, 3, 5, 33, 257). Language models run without a
-key-value cache (``use_cache=False``), as in training.
+shard unevenly or leave a rank empty on 2 ranks (first dimensions 1, 3, 5, 33, 257). The decoders built from
+``_decoder_config`` (Llama, Gemma 3, DeepSeek-V3, Qwen2, LoRA's Llama) keep Hugging Face's default key-value cache
+(``use_cache=True``), which ``compile_sharded`` turns off in training calls; the others run without it.
 """
 
 from __future__ import annotations
@@ -112,8 +113,7 @@ def _mixtral(layers: int) -> nn.Module:
 
 def _decoder_config(config_class, layers: int, **options):
     return config_class(**{**dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                  use_cache=False), **options})
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32), **options})
 
 
 def _llama(layers: int) -> nn.Module:

@@ -1,9 +1,10 @@
 """What a Hugging Face model needs once sharded: ``save_pretrained`` refused without a full state dict (with the
-recipe), its output-capturing hooks installed before any compile, and the fix of the graph breaks its key-value cache
-and its speech models' feature encoders make."""
+recipe), its output-capturing hooks installed before any compile, its key-value cache off in training, and the fix
+of the graph break its speech models' feature encoders make."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Callable
 
@@ -32,14 +33,26 @@ def refuse_saving_shards(model: nn.Module) -> None:
     model.save_pretrained = save_gathered
 
 
+def train_without_cache(model: nn.Module) -> None:
+    """Call each Hugging Face model in ``model`` (its config turning the key-value cache on) with ``use_cache=False``
+    in training where a call leaves it unset or None. Training reads no cache; passed to every block, it keeps the
+    blocks out of regions (each compiled inline, as the whole graph) and under gradient checkpointing breaks the graph
+    at every call. Eval calls and ``generate()`` (which passes ``use_cache=True``) keep it. Each model, not only the
+    outermost: peft's LoRA calls its base model's ``forward`` directly, past the hooks."""
+    for module in model.modules():
+        if getattr(getattr(module, "config", None), "use_cache", False) is True and (
+                "use_cache" in inspect.signature(type(module).forward).parameters):
+            module.register_forward_pre_hook(_without_cache, with_kwargs=True)
+
+
+def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    return (args, {**kwargs, "use_cache": False}) if module.training and kwargs.get("use_cache") is None else None
+
+
 def graph_break_fix(model: nn.Module, reasons: list[str]) -> str | None:
     """The fix of ``model``'s graph breaks (Dynamo's ``reasons``) where this library knows one, or None: Hugging
-    Face's cache under gradient checkpointing logs a warning at each call, and its speech models' feature encoders
-    (wav2vec2's) mark their input as requiring grad, neither of which Dynamo can trace."""
-    cache_on = getattr(getattr(model, "config", None), "use_cache", False)
-    if cache_on and any("Logger" in reason for reason in reasons):
-        return ("set model.config.use_cache = False before training (the key-value cache serves generation; under "
-                "gradient checkpointing Hugging Face warns of it at every call, and each warning breaks the graph)")
+    Face's speech models' feature encoders (wav2vec2's) mark their input as requiring grad, which Dynamo cannot
+    trace."""
     encoder = next((name for name, module in model.named_modules() if vars(module).get("_requires_grad") is True), None)
     if encoder is not None and any("requires_grad" in reason for reason in reasons):
         return (f"set model.{encoder}._requires_grad = False before training (the feature encoder marks its input as "
