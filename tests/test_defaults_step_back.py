@@ -234,8 +234,9 @@ def test_inspect_shares_a_region_between_blocks_that_differ_in_a_setting_their_c
     report = simplefsdp.inspect(build("llama", layers=3), tokens, world_size=2)
     calls = re.findall(r"invoke_subgraph\(\w+, '(\w+)'", report.stage("traced").forward.code)
     assert len(calls) == 3 and len(set(calls)) == 1, calls
-    (note,) = simplefsdp.inspect(build("gemma3", layers=6), tokens, world_size=2).notes
-    assert note.startswith("traced as the whole graph: the blocks differ in 'sliding_window'"), note
+    notes = simplefsdp.inspect(build("gemma3", layers=6), tokens, world_size=2).notes  # and its cache's
+    assert [note for note in notes if note.startswith("traced as the whole graph: the blocks differ in "
+                                                      "'sliding_window'")], notes
 
 
 def test_blocks_that_differ_only_in_a_setting_the_compute_never_reads_are_traced_once(per_rank):
