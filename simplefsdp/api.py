@@ -15,7 +15,7 @@ from simplefsdp.passes.bucket_plan import BucketMode, find_blocks
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import checkpoint_hugging_face_layers_fully
 from simplefsdp.runtime.agreed_profile import agreed_profile
-from simplefsdp.runtime.block_regions import block_regions_refusal, distinct_blocks
+from simplefsdp.runtime.block_regions import block_regions_refusal, distinct_blocks, settings_read
 from simplefsdp.runtime.compiled_call import set_compiled_call
 from simplefsdp.runtime.gloo_exit import settle_gloo_collectives_at_exit
 from simplefsdp.runtime.hugging_face import install_output_capturing_hooks, refuse_saving_shards, train_without_cache
@@ -170,6 +170,7 @@ def compile_sharded(
             say(f"compiling the whole graph, not each distinct block once: {refusal}")
     elif compile_blocks_once and (refusal := block_regions_refusal(model, block_fqns)):
         raise ValueError(refusal)
+    keyed = settings_read(model, block_fqns) if compile_blocks_once and not strict_regions else frozenset()
     if values:  # a meta model gets its shards from materialize_sharded; a fake one (inspect's) is only traced
         model.to(mesh.device_type)
     # The first collective: ranks that differ in model or arguments would go on to issue different collectives.
@@ -205,8 +206,8 @@ def compile_sharded(
     refuse_saving_shards(model)
     if compile_blocks_once:  # the blocks found before sharding, which gives modules subclasses
         from simplefsdp.runtime.block_regions import install_block_regions
-        uninstall_regions = install_block_regions(model, block_fqns, replicate,
-                                                  gathers_in_region=backend == "inductor", strict=strict_regions)
+        uninstall_regions = install_block_regions(model, block_fqns, replicate, gathers_in_region=backend == "inductor",
+                                                  strict=strict_regions, keyed=keyed)
     if compile:
         from simplefsdp.runtime.compile import compile_in_place
         from simplefsdp.runtime.precompile import run_key
@@ -224,7 +225,7 @@ def compile_sharded(
                 return uninstall
 
             whole_graph_where_regions_fail(model, uninstall_regions, regions_keyed_by, functools.partial(
-                compile_in_place, model, backend, whole_graph_options), say)
+                compile_in_place, model, backend, whole_graph_options), say, keyed)
         if passes and buckets == "auto" and overlap.agree_over and not precompile:
             plan_per_block_where_first_inputs_differ(model, overlap)
         if not values:  # last, so that it runs first: materialize_sharded fills a meta model before its first call

@@ -39,13 +39,25 @@ class RunningSumBlock(nn.Module):
 
 
 class IndexedBlock(nn.Module):
-    """Scales its input by a weight, then by ``factor``; holds its ``index``, which its compute never reads (as a
+    """Scales its input by a weight, then by ``factor``, read by a function outside its class (as Hugging Face's
+    attention functions read their module's settings); holds its ``index``, which its compute never reads (as a
     Hugging Face layer's ``layer_idx`` without a cache)."""
 
     def __init__(self, index: int, factor: float) -> None:
         super().__init__()
         self.index, self.factor = index, factor
         self.scale = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _times_factor(self, x)
+
+
+def _times_factor(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x * block.scale * block.factor
+
+
+class FactorReadByItsForward(IndexedBlock):
+    """An ``IndexedBlock`` whose forward reads ``self.factor`` itself (as Gemma's attention its ``sliding_window``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.scale * self.factor
@@ -69,8 +81,10 @@ def _step_back_on_a_failed_region() -> dict:
     expected.sum().backward()
     model(x[rank:rank + 1].detach().requires_grad_())  # a second call runs the whole graph, and says nothing
     return {"transposing": _blocks_that_read_their_inputs_attribute(x[rank:rank + 1]),
-            "settings": {factors: _blocks_that_differ_in_a_setting(factors, x[rank:rank + 1])
-                         for factors in ((2.0, 2.0, 2.0), (2.0, 4.0, 2.0), (2.0, 4.0, 2.0, 4.0))},
+            "settings": {(block.__name__, factors): _blocks_that_differ_in_a_setting(block, factors, x[rank:rank + 1])
+                         for block, factors in ((IndexedBlock, (2.0, 2.0, 2.0)), (IndexedBlock, (2.0, 4.0, 2.0)),
+                                                (IndexedBlock, (2.0, 4.0, 2.0, 4.0)),
+                                                (FactorReadByItsForward, (2.0, 4.0, 2.0, 4.0)))},
             "strided": _compiled_by_default(_strided_blocks(1, 2, 1, 2), torch.ones(1, 4, 16, 16)),
             "installed": regions_installed, "after": _compiles_blocks_once(model), "said": said.getvalue(),
             "output": torch.equal(output, expected[rank:rank + 1]),
@@ -79,11 +93,11 @@ def _step_back_on_a_failed_region() -> dict:
             "seen": [block.seen.item() for block in model.children()]}
 
 
-def _blocks_that_differ_in_a_setting(factors: tuple[float, ...], x: torch.Tensor) -> dict:
-    """``IndexedBlock``s with ``factors``, as ``_compiled_by_default`` reads them (products of powers of 2 and one
-    rounding each: exact in any kernel)."""
+def _blocks_that_differ_in_a_setting(block: type[IndexedBlock], factors: tuple[float, ...], x: torch.Tensor) -> dict:
+    """``block``s with ``factors``, as ``_compiled_by_default`` reads them (products of powers of 2 and one rounding
+    each: exact in any kernel)."""
     torch.manual_seed(0)
-    return _compiled_by_default(nn.Sequential(*map(IndexedBlock, range(len(factors)), factors)), x)
+    return _compiled_by_default(nn.Sequential(*map(block, range(len(factors)), factors)), x)
 
 
 def _compiled_by_default(model: nn.Module, x: torch.Tensor) -> dict:
@@ -228,26 +242,34 @@ def test_inspect_traces_complex_rotary_blocks_as_regions():
 
 def test_inspect_shares_a_region_between_blocks_that_differ_in_a_setting_their_compute_never_reads():
     """By default ``inspect`` traces the regions ``compile_sharded``'s default compiles: Hugging Face's layers, each
-    with its own ``layer_idx``, call one region; Gemma 3's, whose compute reads a sliding window that differs between
-    its two kinds of layer (every sixth full), are traced as the whole graph, with a note naming the setting."""
+    with its own ``layer_idx``, call one region; Gemma 3's, whose attention's forward reads a sliding window that
+    differs between its two kinds of layer (every sixth full), call a region per kind, keyed from the start (Dynamo
+    inlines a region called once: the full-attention layer's, at 6 layers)."""
     tokens = (torch.zeros(2, 16, dtype=torch.long),)
     report = simplefsdp.inspect(build("llama", layers=3), tokens, world_size=2)
     calls = re.findall(r"invoke_subgraph\(\w+, '(\w+)'", report.stage("traced").forward.code)
     assert len(calls) == 3 and len(set(calls)) == 1, calls
-    notes = simplefsdp.inspect(build("gemma3", layers=6), tokens, world_size=2).notes  # and its cache's
-    assert [note for note in notes if note.startswith("traced as the whole graph: the blocks differ in "
-                                                      "'sliding_window'")], notes
+    report = simplefsdp.inspect(build("gemma3", layers=6), tokens, world_size=2)
+    calls = re.findall(r"invoke_subgraph\(\w+, '(\w+)'", report.stage("traced").forward.code)
+    assert len(calls) == 5 and len(set(calls)) == 1, calls
+    assert not [note for note in report.notes if note.startswith("traced as the whole graph")], report.notes
 
 
 def test_blocks_that_differ_only_in_a_setting_the_compute_never_reads_are_traced_once(per_rank):
     """Blocks alike but for a setting share one region (Hugging Face's ``layer_idx``): their compute is traced once.
-    Where the compute reads a setting that differs (``factor``), the region raises as it is traced; every rank then
-    compiles a region per value of the setting where each serves two blocks on average (Gemma's and gpt-oss's layers
-    alternate sliding-window and full attention), else the whole graph, naming the setting. Exact either way (see
-    ``_blocks_that_differ_in_a_setting``). From the launch of the test above."""
+    A setting that differs and that a method of the block's class reads (``self.factor``) keys the regions from the
+    start where each then serves two blocks on average (Gemma's and gpt-oss's layers alternate sliding-window and full
+    attention). Where the compute reads one otherwise (a function of the module reads ``block.factor``), the region
+    raises as it is traced; every rank then compiles a region per value of the setting on the same condition, else
+    the whole graph, naming the setting. Exact either way (see ``_blocks_that_differ_in_a_setting``). From the launch
+    of the test above."""
     for rank, result in enumerate(per_rank):
-        unread = result["settings"][(2.0, 2.0, 2.0)]
-        read_per_block, read_alternating = result["settings"][(2.0, 4.0, 2.0)], result["settings"][(2.0, 4.0, 2.0, 4.0)]
+        unread, read_per_block, read_alternating, read_by_forward = (result["settings"][key] for key in (
+            ("IndexedBlock", (2.0, 2.0, 2.0)), ("IndexedBlock", (2.0, 4.0, 2.0)),
+            ("IndexedBlock", (2.0, 4.0, 2.0, 4.0)), ("FactorReadByItsForward", (2.0, 4.0, 2.0, 4.0))))
+        # no failed attempt: the gathers' region and a compute per value of 'factor', nothing said
+        assert read_by_forward["regions"] and read_by_forward["exact"], read_by_forward
+        assert read_by_forward["said"] == "" and read_by_forward["traced"] == 3, read_by_forward
         assert unread["regions"] and unread["exact"] and unread["said"] == "", unread
         assert unread["traced"] == 2, unread  # the blocks' compute and the gathers' region, each once
         assert not read_per_block["regions"] and read_per_block["exact"], read_per_block  # 2 values for 3 blocks

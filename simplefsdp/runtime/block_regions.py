@@ -5,10 +5,13 @@ copy). Why each piece is there, and what it costs: ``ARCHITECTURE.md``, "Compili
 
 from __future__ import annotations
 
+import ast
 import copy
 import functools
+import inspect
 import itertools
 import re
+import textwrap
 from typing import Callable
 
 import torch
@@ -99,6 +102,38 @@ def _settings_named(structure: tuple, keyed: frozenset[str]) -> tuple:
     return tuple((prefix, cls, tuple((key, value) if key in keyed or cls.__module__.startswith("torch.nn.") else key
                                      for key, value in settings))
                  for prefix, cls, settings in structure)
+
+
+def settings_read(model: nn.Module, blocks: tuple[str, ...]) -> frozenset[str]:
+    """The settings to key regions by from the start: those that differ between blocks otherwise alike, that a method
+    of their module's class reads (``self.sliding_window``), and that leave each region two blocks on average (not
+    ``layer_idx``). A setting read otherwise is found as Dynamo traces the region: one failed attempt first."""
+    alike: dict[tuple, list[nn.Module]] = {}
+    for block in map(model.get_submodule, blocks):
+        alike.setdefault(_settings_named(_structure(block), frozenset()), []).append(block)
+    read = {key for group in alike.values() for prefix, keys in _differing_settings(group).items() for key in keys
+            if key in _attributes_read(type(group[0].get_submodule(prefix)))}
+    keyed = frozenset()
+    for key in sorted(read):
+        if 2 * distinct_blocks(model, blocks, keyed | {key}) <= len(blocks):
+            keyed |= {key}
+    return keyed
+
+
+@functools.cache
+def _attributes_read(cls: type) -> frozenset[str]:
+    """``self``'s attributes that the methods (``__init__`` aside) of ``cls`` and its bases outside torch read."""
+    names = set()
+    for base in (base for base in cls.__mro__ if base.__module__.partition(".")[0] not in ("torch", "builtins")):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+        except (OSError, TypeError, SyntaxError):  # no source: defined in C, in a notebook, or made at run time
+            continue
+        for method in ast.walk(tree):
+            if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.name != "__init__":
+                names.update(node.attr for node in ast.walk(method) if isinstance(node, ast.Attribute)
+                             and isinstance(node.ctx, ast.Load) and getattr(node.value, "id", None) == "self")
+    return frozenset(names)
 
 
 def _differing_settings(blocks: list[nn.Module]) -> dict[str, set[str]]:
