@@ -15,7 +15,8 @@ from simplefsdp.passes.bucket_plan import BucketMode, find_blocks
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.runtime.activation_checkpoint import checkpoint_hugging_face_layers_fully
 from simplefsdp.runtime.agreed_profile import agreed_profile
-from simplefsdp.runtime.block_regions import block_regions_refusal, distinct_blocks, settings_read
+from simplefsdp.runtime.block_regions import (block_regions_refusal, distinct_blocks, settings_read,
+                                              two_blocks_a_region)
 from simplefsdp.runtime.compiled_call import set_compiled_call
 from simplefsdp.runtime.gloo_exit import settle_gloo_collectives_at_exit
 from simplefsdp.runtime.hugging_face import install_output_capturing_hooks, refuse_saving_shards, train_without_cache
@@ -213,11 +214,11 @@ def compile_sharded(
         from simplefsdp.runtime.precompile import run_key
         compile_in_place(model, backend, compile_options, run_key(model, requested) if requested else None)
         if compile_blocks_once and not strict_regions and not precompile:
-            from simplefsdp.runtime.block_regions import whole_graph_where_regions_fail
+            from simplefsdp.runtime.regions_step_back import whole_graph_where_regions_fail
 
             def regions_keyed_by(keyed: frozenset[str]) -> Callable[[], None] | None:
                 """Regions that also differ in ``keyed``'s values, compiled, where each serves two blocks on average."""
-                if 2 * distinct_blocks(model, block_fqns, keyed) > len(block_fqns):
+                if not two_blocks_a_region(model, block_fqns, keyed):
                     return None
                 uninstall = install_block_regions(model, block_fqns, replicate, gathers_in_region=backend == "inductor",
                                                   strict=False, keyed=keyed)

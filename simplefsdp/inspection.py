@@ -34,11 +34,12 @@ from simplefsdp.passes.install import OverlapPasses
 from simplefsdp.passes.options import check_pass_options
 from simplefsdp.passes.region_inputs import recompute_region_inputs
 from simplefsdp.runtime.activation_checkpoint import apply_activation_checkpointing
-from simplefsdp.runtime.block_regions import READ_SETTING, compiler_failure
+from simplefsdp.runtime.block_regions import READ_SETTING
 from simplefsdp.runtime.fake_world import fake_world
 from simplefsdp.runtime.mesh import MESH_DIM_NAMES, check_tensor_parallel_world, data_parallel_groups
 from simplefsdp.runtime.mixed_precision import MixedPrecision, mixed_precision_option
 from simplefsdp.runtime.quantize import Quantize, quantize_option
+from simplefsdp.runtime.regions_step_back import compiler_failure
 from simplefsdp.runtime.sharding import check_not_sharded
 
 

@@ -19,7 +19,7 @@ from ranks import run_on_ranks
 from simplefsdp.api import blocks_once_by_default
 from simplefsdp.models.llama import build_model
 from simplefsdp.passes.bucket_plan import find_blocks
-from simplefsdp.runtime.block_regions import compiler_failure
+from simplefsdp.runtime.regions_step_back import compiler_failure
 from test_block_regions import ReluBlock, SineBlock, _compiles_blocks_once
 from zoo import ComplexRotaryLlama, ResNet, build
 
