@@ -319,6 +319,9 @@ def test_only_a_compile_failure_steps_back_and_not_dynamos_recompile_limit():
     assert compiler_failure(failure) == "InternalTorchDynamoError: RuntimeError: the region cannot run"
     bare = _raised_by_module("torch._dynamo.variables.invoke_subgraph", AssertionError("Freevar has no source"))
     assert compiler_failure(bare) == "AssertionError: Freevar has no source"
+    # Inductor's ``assert not waiting`` in its topological sort, on the cycle Gemma 3n's plan made, said nothing
+    silent = _raised_by_module("torch._inductor.pattern_matcher", AssertionError())
+    assert compiler_failure(silent) == "AssertionError: raised in torch._inductor.pattern_matcher"
     limit = _raised_from(RuntimeError("Dynamo hit its recompile limit"), torch._dynamo.exc.FailOnRecompileLimitHit())
     assert compiler_failure(limit) is None
     assert compiler_failure(ValueError("the model's own error")) is None

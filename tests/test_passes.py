@@ -356,6 +356,30 @@ def test_first_gather_is_hoisted_above_compute_it_does_not_need(resharded):
     assert hoisted, passes.plans
 
 
+def test_a_node_reading_a_gathered_bucket_after_its_first_user_stays_out_of_the_copy_out(resharded):
+    """Gemma 3n's backward compares a clamped weight with its bounds after the weight's first use. The reorder plan
+    took that comparison for the end of the bucket's copy-out: the next gather went after it, behind the compute it was
+    pinned before, and the rank guard's pins made a cycle (Inductor's topological sort asserted)."""
+    graphs, _, _ = resharded
+    backward = copy.deepcopy(graphs.backward)
+    OverlapPasses("block", reorder=False, blocks=BLOCKS)(backward.graph)
+    copy_out = next(node for node in backward.graph.nodes
+                    if str(node.target).startswith("simplefsdp.all_gather_copy_out"))
+    weight = next(iter(copy_out.users))
+    with backward.graph.inserting_before(backward.graph.output_node()):
+        compared = backward.graph.call_function(torch.ops.aten.ge.Scalar, (weight, -1.0))
+    backward.recompile()
+    schedule = read_schedule(backward, "backward")
+    position = {node.name: index for index, node in enumerate(schedule.nodes)}
+    plan = plan_reorder(schedule)
+    assert compared.name not in {name for sink in plan.sinks for name in sink.nodes}
+    assert compared.name not in {prefetch.after for prefetch in plan.prefetches}
+    assert any(prefetch.after == copy_out.name for prefetch in plan.prefetches), plan
+    assert all(position[prefetch.after] < position[prefetch.anchor] for prefetch in plan.prefetches if prefetch.after)
+    OverlapPasses(None, blocks=BLOCKS, agree_over=("0",))(backward.graph)
+    backward.graph.lint()  # every node after its inputs, the pins' included
+
+
 def test_guard_runs_before_every_collective_only_when_asked(resharded):
     """With ``agree_over`` each graph starts with one agreement call holding its collective signature, and every
     collective runs after it; without it (``inspect``) there is none."""

@@ -81,16 +81,17 @@ def plan_reorder(schedule: Schedule, prefetch: int = 1) -> ReorderPlan:
 
 
 def _sink(schedule: Schedule, wait: ScheduleNode, collectives: list[ScheduleNode], position: dict) -> Sink:
-    """The wait, the copy-out nodes that read only it (views, reshapes, casts), and the node to sink them before."""
-    chain, users = {wait.name}, []
+    """The wait, the copy-out nodes before its first other user that read only it (views, reshapes, casts), and the
+    node to sink them before. A node that reads only them after that user (Gemma 3n's backward of a clamped weight
+    compares it with its bounds there) stays where it is."""
+    chain, limit = {wait.name}, len(schedule.nodes) - 1
     for node in schedule.nodes[position[wait.name] + 1:]:
         if not chain.intersection(node.inputs):
             continue
-        if node.kind == COMPUTE and set(node.inputs) <= chain and not node.flops:
-            chain.add(node.name)
-        else:
-            users.append(node)
-    limit = position[users[0].name] if users else len(schedule.nodes) - 1
+        if node.kind != COMPUTE or not set(node.inputs) <= chain or node.flops:
+            limit = position[node.name]
+            break
+        chain.add(node.name)
     kind = schedule.node(wait.waits_for).collective.kind
     if kind != "all_gather":
         later = [position[c.name] for c in collectives

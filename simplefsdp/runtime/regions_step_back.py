@@ -62,8 +62,8 @@ def compiler_failure(error: BaseException) -> str | None:
         return None
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
     # our own reason (``_unreadable``) where Dynamo wraps it, else torch's first line (and the next, where the first
-    # announces it: "Got graph break/error:")
-    first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+    # announces it: "Got graph break/error:"), or where it was raised (a bare ``assert``)
+    first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0] or f"raised in {_raised_in(error)}"
     return next((line for line in lines if "compile_blocks_once" in line), f"{type(error).__name__}: {first}")
 
 
