@@ -63,6 +63,29 @@ class FactorReadByItsForward(IndexedBlock):
         return x * self.scale * self.factor
 
 
+class WithUnusedWeight(nn.Module):
+    """Scales its input by a weight; holds another that its forward never reads (as Longformer's layers their
+    global-attention projections without a global mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(8))
+        self.unused = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def _blocks_with_an_unused_weight(x: torch.Tensor) -> dict:
+    """``WithUnusedWeight`` blocks compiled by default, as ``_compiled_by_default`` reads them, then trained one
+    backward: which parameters got a gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(WithUnusedWeight(), WithUnusedWeight())
+    result = _compiled_by_default(model, x)
+    model(x.detach().requires_grad_()).sum().backward()
+    return {**result, "grads": [parameter.grad is not None for parameter in model.parameters()]}
+
+
 def _step_back_on_a_failed_region() -> dict:
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
@@ -86,6 +109,7 @@ def _step_back_on_a_failed_region() -> dict:
                                                 (IndexedBlock, (2.0, 4.0, 2.0, 4.0)),
                                                 (FactorReadByItsForward, (2.0, 4.0, 2.0, 4.0)))},
             "strided": _compiled_by_default(_strided_blocks(1, 2, 1, 2), torch.ones(1, 4, 16, 16)),
+            "unused": _blocks_with_an_unused_weight(x[rank:rank + 1]),
             "installed": regions_installed, "after": _compiles_blocks_once(model), "said": said.getvalue(),
             "output": torch.equal(output, expected[rank:rank + 1]),
             "grads": all(torch.equal(p.grad.full_tensor() * 2, q.grad)  # the ranks' mean of sums, the whole batch's sum
@@ -134,6 +158,18 @@ def test_a_region_torch_cannot_build_steps_back_to_the_whole_graph_on_every_rank
             assert "in-place" in lines[0], lines  # torch's reason, in its first line
         else:
             assert lines == [], lines
+
+
+def test_blocks_holding_a_weight_they_never_read_step_back_to_the_whole_graph(per_rank):
+    """A region is handed every parameter of its block, gathered; an unused one's gradient is None, and DTensor's
+    redistribute backward fails on the zeros autograd makes in its place (XLNet, Longformer). The default compiles the
+    whole graph, which gathers only what the forward reads: the output exact (an elementwise product), the unused
+    weights without a gradient, as under FSDP2."""
+    for rank, result in enumerate(per_rank):
+        unused = result["unused"]
+        assert not unused["regions"] and unused["exact"], unused
+        assert unused["grads"] == [True, False, True, False], unused
+        assert ("compiling the whole graph instead" in unused["said"]) == (rank == 0), unused
 
 
 def test_what_regions_cannot_run_is_the_whole_graph_by_default_and_an_error_when_asked(fake_world, capfd):
