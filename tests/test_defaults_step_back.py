@@ -76,14 +76,19 @@ class WithUnusedWeight(nn.Module):
         return x * self.scale
 
 
-def _blocks_with_an_unused_weight(x: torch.Tensor) -> dict:
+def _blocks_with_an_unused_weight(x: torch.Tensor, whole: torch.Tensor) -> dict:
     """``WithUnusedWeight`` blocks compiled by default, as ``_compiled_by_default`` reads them, then trained one
-    backward: which parameters got a gradient."""
+    backward on this rank's rows ``x`` of ``whole``: which parameters got a gradient, and whether those are the
+    unsharded blocks' on ``whole``."""
     torch.manual_seed(0)
     model = nn.Sequential(WithUnusedWeight(), WithUnusedWeight())
+    reference = copy.deepcopy(model)
     result = _compiled_by_default(model, x)
     model(x.detach().requires_grad_()).sum().backward()
-    return {**result, "grads": [parameter.grad is not None for parameter in model.parameters()]}
+    reference(whole.detach().requires_grad_()).sum().backward()
+    return {**result, "grads": [parameter.grad is not None for parameter in model.parameters()],
+            "grads_equal": all(torch.equal(p.grad.full_tensor() * 2, q.grad)  # as in _step_back_on_a_failed_region
+                               for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None)}
 
 
 def _step_back_on_a_failed_region() -> dict:
@@ -109,7 +114,7 @@ def _step_back_on_a_failed_region() -> dict:
                                                 (IndexedBlock, (2.0, 4.0, 2.0, 4.0)),
                                                 (FactorReadByItsForward, (2.0, 4.0, 2.0, 4.0)))},
             "strided": _compiled_by_default(_strided_blocks(1, 2, 1, 2), torch.ones(1, 4, 16, 16)),
-            "unused": _blocks_with_an_unused_weight(x[rank:rank + 1]),
+            "unused": _blocks_with_an_unused_weight(x[rank:rank + 1], x),
             "installed": regions_installed, "after": _compiles_blocks_once(model), "said": said.getvalue(),
             "output": torch.equal(output, expected[rank:rank + 1]),
             "grads": all(torch.equal(p.grad.full_tensor() * 2, q.grad)  # the ranks' mean of sums, the whole batch's sum
@@ -160,16 +165,14 @@ def test_a_region_torch_cannot_build_steps_back_to_the_whole_graph_on_every_rank
             assert lines == [], lines
 
 
-def test_blocks_holding_a_weight_they_never_read_step_back_to_the_whole_graph(per_rank):
-    """A region is handed every parameter of its block, gathered; an unused one's gradient is None, and DTensor's
-    redistribute backward fails on the zeros autograd makes in its place (XLNet, Longformer). The default compiles the
-    whole graph, which gathers only what the forward reads: the output exact (an elementwise product), the unused
-    weights without a gradient, as under FSDP2."""
-    for rank, result in enumerate(per_rank):
+def test_blocks_holding_a_weight_they_never_read_compile_once_and_leave_it_without_a_gradient(per_rank):
+    """A region is handed every parameter of its block, gathered, also one its compute never reads (XLNet, Longformer):
+    the blocks run as regions with nothing said, the output exact (an elementwise product), the unused weights without
+    a gradient, as under FSDP2, the others the unsharded blocks' (exact, as in the step-back test above)."""
+    for result in per_rank:
         unused = result["unused"]
-        assert not unused["regions"] and unused["exact"], unused
-        assert unused["grads"] == [True, False, True, False], unused
-        assert ("compiling the whole graph instead" in unused["said"]) == (rank == 0), unused
+        assert unused["regions"] and unused["exact"] and unused["said"] == "", unused
+        assert unused["grads"] == [True, False, True, False] and unused["grads_equal"], unused
 
 
 def test_what_regions_cannot_run_is_the_whole_graph_by_default_and_an_error_when_asked(fake_world, capfd):

@@ -11,6 +11,7 @@ from ranks import run_on_ranks
 from torch import nn
 
 from simplefsdp import compile_sharded
+from simplefsdp.runtime.unused_outputs import drop_region_inputs, unread_region_inputs
 
 DIM, LOCAL_BATCH, WORLD = 8, 2, 2
 # (the loss reads both outputs, zero_grad's set_to_none after the step) per step: the second output goes unread with
@@ -84,3 +85,28 @@ def test_parameters_of_an_unread_output_get_no_gradient(backend):
             for name, value in reference.items():
                 assert (actual[name] is None) == (value is None), f"step {step}: {name} is {actual[name]}"
                 assert value is None or torch.equal(actual[name], value), f"step {step}: {name} differs"
+
+
+def test_a_region_input_its_subgraph_never_reads_is_dropped_from_the_region_and_its_calls():
+    """The plan names the input a region only aliases (as a block's region aliases each input), by position; dropped,
+    the graph computes the same outputs, and the unread input has no user left (its gradient: None, as eager's)."""
+    region = torch.compiler.nested_compile_region(lambda used, unread: (torch.ops.aten.alias(unread), used * 2)[1])
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def forward(x, w):
+        return region(x, w), region(x + 1, w)
+
+    inputs = (torch.ones(2), torch.full((2,), 3.0))
+    expected = torch.compile(forward, backend=capture, fullgraph=True)(*inputs)
+    gm = graphs[0]
+    calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    unread = gm.graph.find_nodes(op="placeholder")[1]  # w, in the position Dynamo gave it among a call's operands
+    assert unread_region_inputs(gm) == {calls[0].args[0].target: (calls[0].args[2:].index(unread),)}
+    drop_region_inputs(gm, unread_region_inputs(gm))
+    assert unread_region_inputs(gm) == {}
+    assert [len(node.users) for node in gm.graph.find_nodes(op="placeholder")] == [2, 0]
+    assert all(map(torch.equal, gm(*inputs), expected))

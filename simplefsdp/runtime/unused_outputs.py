@@ -3,7 +3,8 @@
 torch 2.13's compiled backward hands zeros for an output the loss does not read (pytorch#131794), so an input feeding
 only such outputs got an all-zero gradient. Each Dynamo graph is read once for which outputs each input reaches; a hook
 on the outputs' backward node drops the gradient of every leaf input that reaches none the loss read. The compiled
-backward, its reduce-scatters included, still runs whole.
+backward, its reduce-scatters included, still runs whole. Before that, each region input its subgraph never reads (a
+block's parameter its compute does not read) is dropped from the region, so that parameter gets no gradient either.
 """
 
 from __future__ import annotations
@@ -36,6 +37,42 @@ def outputs_reached(gm: fx.GraphModule) -> list[int]:
     return [reached.get(node, 0) for node in gm.graph.find_nodes(op="placeholder")]
 
 
+def unread_region_inputs(gm: fx.GraphModule) -> dict[str, tuple[int, ...]]:
+    """By subgraph name, the positions of the tensor inputs that a region (``invoke_subgraph``) of ``gm`` never reads
+    (aliased at most, the alias unused): a block's parameter its compute does not read."""
+    unread = {}
+    for call in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
+        name = call.args[0].target
+        placeholders = getattr(gm, name).graph.find_nodes(op="placeholder")
+        positions = tuple(index for index, node in enumerate(placeholders)
+                          if isinstance(node.meta.get("example_value"), torch.Tensor)
+                          and all(user.target in _ALIASES and not user.users for user in node.users))
+        if positions:
+            unread[name] = positions
+    return unread
+
+
+_ALIASES = (torch.ops.aten.alias, torch.ops.aten.alias.default)
+
+
+def drop_region_inputs(gm: fx.GraphModule, unread: dict[str, tuple[int, ...]]) -> None:
+    """Remove the inputs ``unread`` names from their regions and the matching operands from every call of them: a
+    parameter gathered for a region that never reads it reaches no gradient, as in the whole graph, which never
+    gathers it (and not None, which DTensor's redistribute backward cannot take)."""
+    for name, positions in unread.items():
+        body = getattr(gm, name)
+        for index, node in enumerate(body.graph.find_nodes(op="placeholder")):
+            if index in positions:
+                for user in list(node.users):
+                    body.graph.erase_node(user)
+                body.graph.erase_node(node)
+        body.recompile()
+    for call in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
+        positions = unread.get(call.args[0].target, ())
+        call.args = (*call.args[:2], *(arg for index, arg in enumerate(call.args[2:]) if index not in positions))
+    gm.recompile()
+
+
 class KeepGradientsOfUnusedOutputs:
     """A Dynamo backend: ``backend``'s compiled graph, whose leaf inputs get no gradient from outputs the loss does
     not read (``keep_gradients_of_unused_outputs``)."""
@@ -48,6 +85,8 @@ class KeepGradientsOfUnusedOutputs:
         getattr(lookup_backend(self.backend), "reset", lambda: None)()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        if unread := unread_region_inputs(gm):
+            drop_region_inputs(gm, unread)
         compiled = lookup_backend(self.backend)(gm, example_inputs, **kwargs)
         reached = outputs_reached(gm)
         every_output = (1 << len(graph_outputs(gm))) - 1
