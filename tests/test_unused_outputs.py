@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_on_ranks
-from torch import nn
+from torch import fx, nn
 
 from simplefsdp import compile_sharded
+from simplefsdp.passes.dead_gathers import drop_dead_gathers, plan_dead_gathers
 from simplefsdp.runtime.unused_outputs import drop_region_inputs, unread_region_inputs
 
 DIM, LOCAL_BATCH, WORLD = 8, 2, 2
@@ -110,3 +111,20 @@ def test_a_region_input_its_subgraph_never_reads_is_dropped_from_the_region_and_
     assert unread_region_inputs(gm) == {}
     assert [len(node.users) for node in gm.graph.find_nodes(op="placeholder")] == [2, 0]
     assert all(map(torch.equal, gm(*inputs), expected))
+
+
+def test_an_all_gather_nothing_reads_is_dropped_and_one_read_stays():
+    """What ``drop_region_inputs`` leaves in the traced forward, an all-gather whose wait nothing reads, is not sent."""
+    graph = fx.Graph()
+    read, unread = graph.placeholder("read"), graph.placeholder("unread")
+    functional = torch.ops._c10d_functional
+    gather, wait = functional.all_gather_into_tensor.default, functional.wait_tensor.default
+    kept = graph.call_function(wait, (graph.call_function(gather, (read, 2, "0")),))
+    dropped = graph.call_function(gather, (unread, 2, "0"))
+    graph.call_function(wait, (dropped,))
+    graph.output(kept)
+    assert plan_dead_gathers(graph) == (dropped.name,)
+    drop_dead_gathers(graph, plan_dead_gathers(graph))
+    graph.lint()
+    assert [node.args[0] for node in graph.nodes if node.target is gather] == [read]
+    assert len(graph.find_nodes(op="call_function", target=wait)) == 1

@@ -16,6 +16,7 @@ from simplefsdp.ir.schedule import COLLECTIVE_OPS, Schedule, read_schedule
 from simplefsdp.passes.auto_buckets import plan_auto_buckets
 from simplefsdp.passes.bucket_apply import apply_buckets
 from simplefsdp.passes.bucket_plan import BucketMode, BucketPlan, plan_buckets
+from simplefsdp.passes.dead_gathers import drop_dead_gathers, plan_dead_gathers
 from simplefsdp.passes.gloo_collectives import apply_gloo_collectives, plan_gloo_collectives
 from simplefsdp.passes.rank_guard import insert_agreement
 from simplefsdp.passes.reorder import ReorderPlan, apply_reorder, plan_reorder
@@ -56,7 +57,11 @@ class OverlapPasses(CustomGraphPass):
             insert_agreement(graph.owning_module, stages[-1].schedule, self.agree_over)
 
     def stages(self, gm: fx.GraphModule, phase: str, param_fqns: dict[str, str] | None = None) -> Iterator[PassStage]:
-        """Run the passes on ``gm`` in place, yielding its schedule before them and after each pass that is on."""
+        """Run the passes on ``gm`` in place, yielding its schedule before them (its dead all-gathers dropped) and
+        after each pass that is on."""
+        if dead := plan_dead_gathers(gm.graph):
+            drop_dead_gathers(gm.graph, dead)
+            gm.recompile()
         schedule = read_schedule(gm, phase, param_fqns, self.groups)
         yield PassStage("traced", schedule, None)
         if self.buckets is not None:
