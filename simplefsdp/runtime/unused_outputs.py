@@ -37,12 +37,15 @@ def outputs_reached(gm: fx.GraphModule) -> list[int]:
     return [reached.get(node, 0) for node in gm.graph.find_nodes(op="placeholder")]
 
 
+_ALIASES = (torch.ops.aten.alias, torch.ops.aten.alias.default)
+
+
 def unread_region_inputs(gm: fx.GraphModule) -> dict[str, tuple[int, ...]]:
     """By subgraph name, the positions of the tensor inputs that a region (``invoke_subgraph``) of ``gm`` never reads
     (aliased at most, the alias unused): a block's parameter its compute does not read."""
     unread = {}
-    for call in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
-        name = call.args[0].target
+    for name in sorted({call.args[0].target for call in gm.graph.find_nodes(
+            op="call_function", target=torch.ops.higher_order.invoke_subgraph)}):
         placeholders = getattr(gm, name).graph.find_nodes(op="placeholder")
         positions = tuple(index for index, node in enumerate(placeholders)
                           if isinstance(node.meta.get("example_value"), torch.Tensor)
@@ -52,13 +55,10 @@ def unread_region_inputs(gm: fx.GraphModule) -> dict[str, tuple[int, ...]]:
     return unread
 
 
-_ALIASES = (torch.ops.aten.alias, torch.ops.aten.alias.default)
-
-
 def drop_region_inputs(gm: fx.GraphModule, unread: dict[str, tuple[int, ...]]) -> None:
     """Remove the inputs ``unread`` names from their regions and the matching operands from every call of them: a
-    parameter gathered for a region that never reads it reaches no gradient, as in the whole graph, which never
-    gathers it (and not None, which DTensor's redistribute backward cannot take)."""
+    parameter a region never reads then gets no gradient, as in the whole graph, which never gathers it (handed to
+    the region, its gathered copy's gradient was None, which DTensor's redistribute backward cannot take)."""
     for name, positions in unread.items():
         body = getattr(gm, name)
         for index, node in enumerate(body.graph.find_nodes(op="placeholder")):
@@ -74,8 +74,9 @@ def drop_region_inputs(gm: fx.GraphModule, unread: dict[str, tuple[int, ...]]) -
 
 
 class KeepGradientsOfUnusedOutputs:
-    """A Dynamo backend: ``backend``'s compiled graph, whose leaf inputs get no gradient from outputs the loss does
-    not read (``keep_gradients_of_unused_outputs``)."""
+    """A Dynamo backend: ``backend``'s compiled graph, its regions' unread inputs dropped first
+    (``drop_region_inputs``), whose leaf inputs get no gradient from outputs the loss does not read
+    (``keep_gradients_of_unused_outputs``)."""
 
     def __init__(self, backend: str | Callable) -> None:
         self.backend = backend
