@@ -175,6 +175,18 @@ def test_blocks_holding_a_weight_they_never_read_compile_once_and_leave_it_witho
         assert unused["grads"] == [True, False, True, False] and unused["grads_equal"], unused
 
 
+def test_inspect_traces_blocks_holding_a_weight_they_never_read_as_regions_and_gathers_only_what_they_read():
+    """``inspect`` drops a region's unread inputs as ``compile_sharded`` does (``ir/capture.py: compiling_regions``):
+    the blocks are regions, with no step back, and the forward gathers each block's read weight alone (``scale``'s 8
+    fp32 elements), not the unread one beside it."""
+    report = simplefsdp.inspect(nn.Sequential(*(WithUnusedWeight() for _ in range(3))), (torch.zeros(2, 8),),
+                                world_size=2)
+    assert report.notes == ()
+    forward = report.stage("traced").forward
+    assert re.findall(r"invoke_subgraph\(\w+, '(\w+)'", forward.code), forward.code
+    assert [node.collective.bytes for node in forward.nodes if node.collective] == [8 * 4] * 3
+
+
 def test_what_regions_cannot_run_is_the_whole_graph_by_default_and_an_error_when_asked(fake_world, capfd):
     """A block with a forward set on its instance (a region runs the class's, and would lose it): by default the model
     is compiled as a whole graph, with one line saying why; ``compile_blocks_once=True`` raises before any

@@ -149,3 +149,16 @@ def test_past_dynamos_recompile_limit_is_an_error_naming_the_fix(fake_world, tmp
     with (torch._dynamo.config.patch(recompile_limit=0),
           pytest.raises(RuntimeError, match="each new input shape compiles a graph of its own.*precompile=False")):
         model(torch.randn(4, 8))
+
+
+def test_blocks_holding_a_weight_they_never_read_precompile_as_regions(fake_world, tmp_path, monkeypatch):
+    """precompile has no step back to the whole graph: a region's unread input is dropped as on the usual path
+    (``ir/capture.py: compiling_regions``), else the unread weight's missing gradient fails the compile. The unread
+    weights get no gradient, as in eager."""
+    from test_defaults_step_back import WithUnusedWeight
+
+    monkeypatch.setattr(precompile, "ARTIFACTS", tmp_path)
+    model = compile_sharded(torch.nn.Sequential(*(WithUnusedWeight() for _ in range(3))), precompile=True)
+    model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert [parameter.grad is not None for parameter in model.parameters()] == [True, False] * 3
+    assert len(list(tmp_path.glob("*.aot"))) == 1

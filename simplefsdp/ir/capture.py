@@ -27,6 +27,8 @@ from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import fake_tensor_tls
 from torch.distributed.tensor import DTensor
 
+from simplefsdp.runtime.unused_outputs import drop_unread_region_inputs
+
 _SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 
 
@@ -156,8 +158,10 @@ def compiling_regions(gm: fx.GraphModule) -> Iterator[None]:
     its backward in torch 2.13 (no ``Conjugate`` kernel for ``invoke_subgraph``); and keep Inductor from laying out
     convolutions' outputs channels-last, strides a region's graphs were not traced with (ConvNeXt's blocks then fail
     to view their input). Else nothing. First, the calls of a region that takes a DTensor (a block's gathers) are
-    inlined into ``gm``."""
+    inlined into ``gm``, and the region inputs a subgraph never reads are dropped (``runtime/unused_outputs.py``; for
+    ``inspect`` and ``precompile``, which do not compile through its backend)."""
     _inline_gather_regions(gm)
+    drop_unread_region_inputs(gm)
     if not gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
         yield
         return

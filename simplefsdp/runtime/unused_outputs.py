@@ -73,6 +73,12 @@ def drop_region_inputs(gm: fx.GraphModule, unread: dict[str, tuple[int, ...]]) -
     gm.recompile()
 
 
+def drop_unread_region_inputs(gm: fx.GraphModule) -> None:
+    """Drop from ``gm``'s regions the inputs their subgraphs never read, and the operands from the regions' calls."""
+    if unread := unread_region_inputs(gm):
+        drop_region_inputs(gm, unread)
+
+
 class KeepGradientsOfUnusedOutputs:
     """A Dynamo backend: ``backend``'s compiled graph, its regions' unread inputs dropped first
     (``drop_region_inputs``), whose leaf inputs get no gradient from outputs the loss does not read
@@ -86,8 +92,7 @@ class KeepGradientsOfUnusedOutputs:
         getattr(lookup_backend(self.backend), "reset", lambda: None)()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
-        if unread := unread_region_inputs(gm):
-            drop_region_inputs(gm, unread)
+        drop_unread_region_inputs(gm)
         compiled = lookup_backend(self.backend)(gm, example_inputs, **kwargs)
         reached = outputs_reached(gm)
         every_output = (1 << len(graph_outputs(gm))) - 1
