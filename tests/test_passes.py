@@ -125,6 +125,33 @@ class DecoderStyle(nn.Module):
         return self.lm_head(x)
 
 
+class ConvLayer(nn.Module):
+    """A RegNet-style layer: a shortcut where it changes width, then its own sequence of which two are alike."""
+
+    def __init__(self, width_in: int, width: int) -> None:
+        super().__init__()
+        self.shortcut = nn.Linear(width_in, width) if width_in != width else nn.Identity()
+        self.layer = nn.Sequential(nn.Linear(width_in, width), nn.ReLU(), nn.Linear(width, width),
+                                   nn.Linear(width, width))
+
+
+class Stage(nn.Module):
+    def __init__(self, width_in: int, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(ConvLayer(width_in, width), *(ConvLayer(width, width) for _ in range(depth - 1)))
+
+
+def test_a_stage_of_layers_that_differ_holds_layers_not_blocks_of_their_insides():
+    """A stage of two layers that differ (the first changes width) has no repeated layer; beside stages of more, its
+    layers are layers too, and the two alike linear layers inside each are not blocks (a region's output the layer
+    then updates in place, as RegNet's ``hidden_state += residual``, fails in torch 2.13). Alone, they still are."""
+    model = nn.Module()
+    model.stages = nn.ModuleList([Stage(4, 8, 2), Stage(8, 16, 3)])
+    assert find_blocks(model) == ("stages.1.layers.1", "stages.1.layers.2")
+    assert find_blocks(Stage(4, 8, 2)) == ("layers.0.layer.2", "layers.0.layer.3", "layers.1.layer.0",
+                                           "layers.1.layer.2", "layers.1.layer.3")
+
+
 @pytest.mark.parametrize("build, blocks, tail", [
     (lambda: nn.Sequential(TwoLinears(), TwoLinears(), TwoLinears()), ["0", "1", "2"], []),
     (BlockDict, ["blocks.first", "blocks.second", "blocks.third"], []),

@@ -52,16 +52,28 @@ class BucketPlan:
 
 def find_blocks(model: nn.Module) -> tuple[str, ...]:
     """FQNs of the repeated blocks of ``model``: children of an ``nn.Sequential``, ``nn.ModuleList`` or
-    ``nn.ModuleDict`` at any depth (the outermost) with the class and parameter shapes of a sibling."""
+    ``nn.ModuleDict`` at any depth (the outermost) with the class and parameter shapes of a sibling. Nothing inside
+    a child of a container holding blocks, or named as one but for its indices, is a block: RegNet's
+    ``stages.0.layers`` (two layers that differ) beside ``stages.1.layers`` holds layers, not their convolutions."""
     blocks: list[str] = []
+    found: dict[str, list[str]] = {}  # by container: the blocks among its children
     for name, module in model.named_modules():
         if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) and block_of(name, blocks) is None:
             children = {f"{name}.{key}".lstrip("."): (type(child), tuple(p.shape for p in child.parameters()))
                         for key, child in module.named_children()
                         if not isinstance(child, (nn.ModuleList, nn.ModuleDict))}  # a block runs a forward
             counts = Counter(children.values())
-            blocks += [fqn for fqn, signature in children.items() if signature[1] and counts[signature] > 1]
-    return tuple(blocks)
+            found[name] = [fqn for fqn, signature in children.items() if signature[1] and counts[signature] > 1]
+            blocks += found[name]
+    holding = {_without_indices(name) for name, inside in found.items() if inside}
+    layers = {f"{name}.{child}".lstrip(".") for name in found if _without_indices(name) in holding
+              for child in model.get_submodule(name)._modules}
+    return tuple(block for block in blocks if block_of(block.rpartition(".")[0], tuple(layers)) is None)
+
+
+def _without_indices(fqn: str) -> str:
+    """``fqn`` with each index replaced (``stages.0.layers`` → ``stages.#.layers``)."""
+    return ".".join("#" if part.isdigit() else part for part in fqn.split("."))
 
 
 def plan_buckets(schedule: Schedule, mode: BucketMode, blocks: Sequence[str] = (),
