@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_on_ranks
+from test_defaults_step_back import WithUnusedWeight
 from torch._dynamo.package import SourceInfo
 from torch._dynamo.utils import counters
 
@@ -155,8 +156,6 @@ def test_blocks_holding_a_weight_they_never_read_precompile_as_regions(fake_worl
     """precompile has no step back to the whole graph: a region's unread input is dropped as on the usual path
     (``ir/capture.py: compiling_regions``), else the unread weight's missing gradient fails the compile. The unread
     weights get no gradient, as in eager."""
-    from test_defaults_step_back import WithUnusedWeight
-
     monkeypatch.setattr(precompile, "ARTIFACTS", tmp_path)
     model = compile_sharded(torch.nn.Sequential(*(WithUnusedWeight() for _ in range(3))), precompile=True)
     model(torch.randn(2, 8, requires_grad=True)).sum().backward()

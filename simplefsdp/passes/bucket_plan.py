@@ -56,19 +56,22 @@ def find_blocks(model: nn.Module) -> tuple[str, ...]:
     a child of a container holding blocks, or named as one but for its indices, is a block: RegNet's
     ``stages.0.layers`` (two layers that differ) beside ``stages.1.layers`` holds layers, not their convolutions."""
     blocks: list[str] = []
-    found: dict[str, list[str]] = {}  # by container: the blocks among its children
+    children_of: dict[str, list[str]] = {}  # by container searched, its children's FQNs
+    holding: set[str] = set()  # the containers holding blocks, their indices replaced
     for name, module in model.named_modules():
         if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) and block_of(name, blocks) is None:
             children = {f"{name}.{key}".lstrip("."): (type(child), tuple(p.shape for p in child.parameters()))
                         for key, child in module.named_children()
                         if not isinstance(child, (nn.ModuleList, nn.ModuleDict))}  # a block runs a forward
             counts = Counter(children.values())
-            found[name] = [fqn for fqn, signature in children.items() if signature[1] and counts[signature] > 1]
-            blocks += found[name]
-    holding = {_without_indices(name) for name, inside in found.items() if inside}
-    layers = {f"{name}.{child}".lstrip(".") for name in found if _without_indices(name) in holding
-              for child in model.get_submodule(name)._modules}
-    return tuple(block for block in blocks if block_of(block.rpartition(".")[0], tuple(layers)) is None)
+            found = [fqn for fqn, signature in children.items() if signature[1] and counts[signature] > 1]
+            blocks += found
+            children_of[name] = list(children)
+            if found:
+                holding.add(_without_indices(name))
+    layers = tuple(child for name, children in children_of.items() if _without_indices(name) in holding
+                   for child in children)
+    return tuple(block for block in blocks if block_of(block.rpartition(".")[0], layers) is None)
 
 
 def _without_indices(fqn: str) -> str:
