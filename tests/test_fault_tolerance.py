@@ -105,13 +105,18 @@ def assert_a_killed_group_heals(*options: str) -> None:
     steps on; both end with the same parameters."""
     job = train(*GROUPS, *options, "--steps", "60", kill="0:step-end:3:1", step_sleep=STEP_SLEEP, timeout=600)
     assert job.returncode == 0, job.stderr[-3000:]
-    survivor, restarted = steps(job.stdout, 0), [step for step, *_ in steps(job.stdout, 1)]
+    survivor, restarted = steps(job.stdout, 0), [(step, ok) for step, _, _, ok in steps(job.stdout, 1)]
     assert [step for step, *_ in survivor] == list(range(1, 61)) and all(ok for *_, ok in survivor)
     participants = [k for _, _, k, _ in survivor]
     assert 1 in participants and 2 in participants[participants.index(1):], \
         f"group 1 did not drop out and rejoin before group 0 finished: {participants}"
-    # Killed at the end of its third step, group 1 printed steps 1 and 2; restarted, it heals to group 0's step.
-    assert restarted[:2] == [1, 2] and restarted[2] > 3 and restarted[2:] == list(range(restarted[2], 61)), restarted
+    # Killed at the end of its third step, group 1 printed steps 1 and 2; restarted, it heals to group 0's step. A heal
+    # that fails (torchft reports the error, e.g. a checkpoint fetch timing out on a loaded machine) commits nothing
+    # and prints the step it stands at, 1; the next quorum heals again.
+    healed = next((index for index, (_, ok) in enumerate(restarted) if index >= 2 and ok), len(restarted))
+    resumed = [step for step, _ in restarted[healed:]]
+    assert restarted[:2] == [(1, True), (2, True)] and restarted[2:healed] == [(1, False)] * (healed - 2) \
+        and resumed and resumed[0] > 3 and resumed == list(range(resumed[0], 61)), (restarted, job.stderr[-3000:])
     assert len(checksums(job.stdout)) == 2 and len(set(checksums(job.stdout).values())) == 1
 
 
