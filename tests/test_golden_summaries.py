@@ -56,11 +56,11 @@ forward: 4 bucket(s), 2 block(s) layers.0 .. layers.1
   all_gather layers.1: 9 collective(s) [layers.1]
   all_gather norm+output: 2 collective(s) [norm, output]
 backward: 5 bucket(s), 2 block(s) layers.0 .. layers.1
-  reduce_scatter tail: 2 collective(s) [output, norm]
+  reduce_scatter output+norm: 2 collective(s) [output, norm]
   reduce_scatter layers.1: 9 collective(s) [layers.1]
   all_gather layers.0: 9 collective(s) [layers.0]
   reduce_scatter layers.0: 9 collective(s) [layers.0]
-  reduce_scatter head: 1 collective(s) [tok_embeddings]
+  reduce_scatter tok_embeddings: 1 collective(s) [tok_embeddings]
 
 reorder plan
 forward: 3 prefetch(es), 0 sunk wait(s)
@@ -170,9 +170,9 @@ reordered             3        844.7 us        29.1 us     1.42 MiB
 bucket plan
 forward: 0 bucket(s), 2 block(s) layers.0 .. layers.1
 backward: 3 bucket(s), 2 block(s) layers.0 .. layers.1
-  all_reduce tail+layers.1: 11 collective(s) [output, norm, layers.1]
+  all_reduce output+norm+layers.1: 11 collective(s) [output, norm, layers.1]
   all_reduce layers.0: 9 collective(s) [layers.0]
-  all_reduce head: 1 collective(s) [tok_embeddings]
+  all_reduce tok_embeddings: 1 collective(s) [tok_embeddings]
 
 reorder plan
 forward: 0 prefetch(es), 0 sunk wait(s)
@@ -209,14 +209,14 @@ forward: 4 bucket(s), 2 block(s) layers.0 .. layers.1
   all_gather layers.1: 9 collective(s) [layers.1]
   all_gather norm+output: 2 collective(s) [norm, output]
 backward: 8 bucket(s), 2 block(s) layers.0 .. layers.1
-  reduce_scatter tail: 2 collective(s) [output, norm]
-  all_reduce tail+layers.1: 11 collective(s) [output, norm, layers.1]
+  reduce_scatter output+norm: 2 collective(s) [output, norm]
+  all_reduce output+norm+layers.1: 11 collective(s) [output, norm, layers.1]
   reduce_scatter layers.1: 9 collective(s) [layers.1]
   all_gather layers.0: 9 collective(s) [layers.0]
   reduce_scatter layers.0: 9 collective(s) [layers.0]
   all_reduce layers.0: 9 collective(s) [layers.0]
-  reduce_scatter head: 1 collective(s) [tok_embeddings]
-  all_reduce head: 1 collective(s) [tok_embeddings]
+  reduce_scatter tok_embeddings: 1 collective(s) [tok_embeddings]
+  all_reduce tok_embeddings: 1 collective(s) [tok_embeddings]
 
 reorder plan
 forward: 3 prefetch(es), 0 sunk wait(s)

@@ -24,8 +24,8 @@ from simplefsdp.ir.hardware import get_profile
 from simplefsdp.ir.schedule import pinned, read_schedule
 from simplefsdp.ir.signature import collective_lines
 from simplefsdp.models.llama import build_model, get_config
-from simplefsdp.passes.auto_buckets import module_names, plan_auto_buckets
-from simplefsdp.passes.bucket_plan import bucketable, find_blocks, group_collectives, plan_buckets
+from simplefsdp.passes.auto_buckets import block_or_module, module_names, plan_auto_buckets
+from simplefsdp.passes.bucket_plan import BUCKETED_KINDS, bucketable, find_blocks, group_collectives, plan_buckets
 from simplefsdp.passes import inductor_internals
 from simplefsdp.passes.inductor_internals import pin_order
 from simplefsdp.passes.install import OverlapPasses
@@ -220,27 +220,46 @@ def test_auto_plan_merges_whole_units_within_the_budget(resharded):
     for schedule in (forward, backward):
         block = plan_buckets(schedule, "block", BLOCKS)
         modules = group_collectives(schedule, module_names(bucketable(schedule), BLOCKS))
+        gradients = group_collectives(schedule, block_or_module(bucketable(schedule, BUCKETED_KINDS), BLOCKS))
         auto = plan_auto_buckets(schedule, h100, blocks=BLOCKS)
         assert sorted(c for b in auto.buckets for c in b.collectives) == sorted(
             c for b in block.buckets for c in b.collectives)
-        for bucket in auto.buckets:  # all-gathers merge whole module units, reduce-scatters whole blocks
-            units = modules if bucket.kind == "all_gather" else block
+        for bucket in auto.buckets:  # all-gathers merge whole module units, reduce-scatters whole blocks and modules
+            units = modules if bucket.kind == "all_gather" else gradients
             parts = [b for b in units.buckets if b.kind == bucket.kind and b.name in bucket.name.split("+")]
             assert tuple(c for b in parts for c in b.collectives) == bucket.collectives
         unmerged = plan_auto_buckets(schedule, h100, memory_budget=1, blocks=BLOCKS)
         assert [b for b in kinds(unmerged) if b[0] == "all_gather"] == [
             b for b in kinds(modules) if b[0] == "all_gather"]
         assert [b for b in kinds(unmerged) if b[0] == "reduce_scatter"] == [
-            b for b in kinds(block) if b[0] == "reduce_scatter"]
+            b for b in kinds(gradients) if b[0] == "reduce_scatter"]
     units = group_collectives(forward, module_names(bucketable(forward), BLOCKS))
     first_layer = [name for kind, name in kinds(units) if name.startswith("layers.0.")]
     assert first_layer == ["layers.0.attention_norm", "layers.0.attention", "layers.0.ffn_norm",
                            "layers.0.feed_forward"]
-    # With compute much slower than communication and a roomy budget, everything hides behind the embedding.
-    slow_compute = dataclasses.replace(h100, flops_per_s={"float32": 1e6}, memory_bandwidth=1e6)
-    merged = plan_auto_buckets(forward, slow_compute, memory_budget=1 << 40, blocks=BLOCKS)
-    assert kinds(merged)[0] == ("all_gather", "tok_embeddings")
-    assert len(merged.buckets) == 2
+    # With matmuls much slower than communication and a roomy budget, everything after the first attention's
+    # matmuls hides behind them in one bucket; the lookup before them is memory-bound and hides no merged gather.
+    slow_matmuls = dataclasses.replace(h100, flops_per_s={"float32": 1e6})
+    merged = plan_auto_buckets(forward, slow_matmuls, memory_budget=1 << 40, blocks=BLOCKS)
+    assert [name for _, name in kinds(merged)][:3] == ["tok_embeddings", "layers.0.attention_norm", "layers.0.attention"]
+    assert len(merged.buckets) == 4 and len(merged.buckets[-1].collectives) == 15
+
+
+def test_auto_plan_leaves_a_collective_alone_where_copying_it_into_a_bucket_costs_more_than_it_saves(resharded):
+    """A lone reduce-scatter works on its gradient where it lies; merged, the gradient is copied into the bucket's
+    buffer. The output layer's gradient joins the norm's where a copy costs less than a collective's latency."""
+    _, _, backward = resharded
+    h100 = get_profile("h100")
+    output = next(node.name for node in bucketable(backward)
+                  if node.fqn == "output" and node.collective.kind == "reduce_scatter")
+
+    def output_bucket(hardware) -> tuple[str, ...]:
+        plan = plan_auto_buckets(backward, hardware, blocks=BLOCKS)
+        return next(bucket.owners for bucket in plan.buckets if output in bucket.collectives)
+
+    assert output_bucket(h100) == ("output", "norm")
+    # The output layer's gradient, (256 x 64) fp32: read and written once at 1 MB/s, far over a 10 us latency.
+    assert output_bucket(dataclasses.replace(h100, memory_bandwidth=1e6)) == ("output",)
 
 
 def test_reorder_prefetches_each_bucket_behind_the_previous(resharded):

@@ -1,16 +1,19 @@
 """``buckets="auto"``: buckets merged from small units where the cost model says merging is free.
 
 1. Cut the collectives into units: all-gathers, one per child module of a repeated block (``layers.3.attention``) and
-   per top-level module outside the blocks (``tok_embeddings``); other kinds, one per block plus head and tail (the
-   ``"block"`` plan's units). A unit has its full buffer bytes (``planned_bytes``) and the roofline compute time of its
-   modules' nodes, less those that depend on this rank's shards (``rank_local_nodes``), so every rank plans the same.
+   per top-level module outside the blocks (``tok_embeddings``); other kinds, one per block and per module outside
+   the blocks (``output``, ``norm``). A unit has its full buffer bytes (``planned_bytes``) and the roofline compute
+   time of its modules' nodes, less those that depend on this rank's shards (``rank_local_nodes``), so every rank
+   plans the same.
 2. Walk the units of each (kind, process group, dtype) in program order and grow the current bucket by the next unit
    while (a) the merged bucket's alpha-beta time fits under the compute it overlaps: for an all-gather the previous
-   bucket's (it is prefetched behind it), for other kinds the next unit's (the next block's backward); and (b)
+   bucket's (it is prefetched behind it), for other kinds the next unit's (the next block's backward); (b)
    ``prefetch + 1`` buckets of the merged size fit ``memory_budget`` (default: what per-block bucketing holds, the
    most bytes of any ``prefetch + 1`` blocks in a row; for all-reduces at least ``prefetch + 1`` of DDP's 25 MiB
-   buckets, as their gradients stay allocated until the optimizer step anyway). Each merge saves one collective's
-   latency. Small all-gather units end a bucket where the compute that can hide the next one ends (the first block's
+   buckets, as their gradients stay allocated until the optimizer step anyway); and (c) the copies the merge adds
+   cost less than the latency it saves: a lone collective works on its tensor where it lies, a bucket's tensors are
+   copied into and out of its flat buffer, so merging a lone one (an output layer's gradient beside a norm's) copies
+   it. Small all-gather units end a bucket where the compute that can hide the next one ends (the first block's
    attention gathered behind the embedding lookup, its feed-forward behind that attention): only the embedding's own
    all-gather is exposed at the start of the step."""
 
@@ -24,7 +27,7 @@ import torch
 from simplefsdp.ir.cost_model import collective_seconds, node_time
 from simplefsdp.ir.hardware import HardwareProfile
 from simplefsdp.ir.schedule import COMPUTE, Schedule, ScheduleNode
-from simplefsdp.passes.bucket_plan import (ALL_REDUCE_BUCKET_BYTES, BUCKETED_KINDS, Bucket, BucketPlan, block_names,
+from simplefsdp.passes.bucket_plan import (ALL_REDUCE_BUCKET_BYTES, BUCKETED_KINDS, Bucket, BucketPlan,
                                            block_of, bucketable, group_collectives, planned_bytes, rank_local_nodes)
 
 
@@ -42,8 +45,8 @@ def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budg
     compute_dtype = compute_dtype or next((n.collective.dtype for n in bucketable(schedule, ("all_gather",))), None)
     local = rank_local_nodes(schedule)
     computes = [node for node in schedule.nodes if node.kind == COMPUTE and node.name not in local]
-    by_block = group_collectives(schedule, block_names(schedule, bucketable(schedule, BUCKETED_KINDS), blocks))
-    streams = _streams(schedule, by_block, block_names(schedule, computes, blocks), hardware, compute_dtype)
+    by_block = group_collectives(schedule, block_or_module(bucketable(schedule, BUCKETED_KINDS), blocks))
+    streams = _streams(schedule, by_block, block_or_module(computes, blocks), hardware, compute_dtype)
     modules = _streams(schedule, group_collectives(schedule, module_names(bucketable(schedule), blocks)),
                        module_names(computes, blocks), hardware, compute_dtype)
     merged = []
@@ -59,6 +62,11 @@ def plan_auto_buckets(schedule: Schedule, hardware: HardwareProfile, memory_budg
     position = {node.name: index for index, node in enumerate(schedule.nodes)}
     merged.sort(key=lambda bucket: position[bucket.collectives[0]])
     return BucketPlan(schedule.phase, tuple(merged), tuple(blocks))
+
+
+def block_or_module(nodes: list[ScheduleNode], blocks: Sequence[str]) -> dict[str, str]:
+    """Node name → its unit for kinds other than all-gathers: its block, or outside the blocks its module."""
+    return {node.name: block_of(node.fqn, blocks) or node.fqn for node in nodes}
 
 
 def module_names(nodes: list[ScheduleNode], blocks: Sequence[str]) -> dict[str, str]:
@@ -96,7 +104,12 @@ def _merge(units: list[_Unit], kind: str, ranks: tuple[int, ...], hardware: Hard
             hiding = sum(u.compute for u in groups[-2]) if len(groups) > 1 else 0.0
         else:
             hiding = units[index + 1].compute if index + 1 < len(units) else 0.0
-        if collective_seconds(kind, size, ranks, hardware) <= hiding and size * (prefetch + 1) <= budget:
+        saved = sum(collective_seconds(kind, sum(u.bytes for u in part), ranks, hardware)
+                    for part in (groups[-1], [unit])) - collective_seconds(kind, size, ranks, hardware)
+        copied = sum(2 * sum(u.bytes for u in part) / hardware.memory_bandwidth  # read and written once
+                     for part in (groups[-1], [unit]) if sum(len(u.bucket.collectives) for u in part) == 1)
+        if collective_seconds(kind, size, ranks, hardware) <= hiding and size * (prefetch + 1) <= budget \
+                and copied <= saved:
             groups[-1] = candidate
         else:
             groups.append([unit])
