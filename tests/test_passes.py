@@ -241,7 +241,8 @@ def test_auto_plan_merges_whole_units_within_the_budget(resharded):
     # matmuls hides behind them in one bucket; the lookup before them is memory-bound and hides no merged gather.
     slow_matmuls = dataclasses.replace(h100, flops_per_s={"float32": 1e6})
     merged = plan_auto_buckets(forward, slow_matmuls, memory_budget=1 << 40, blocks=BLOCKS)
-    assert [name for _, name in kinds(merged)][:3] == ["tok_embeddings", "layers.0.attention_norm", "layers.0.attention"]
+    assert [name for _, name in kinds(merged)][:3] == [
+        "tok_embeddings", "layers.0.attention_norm", "layers.0.attention"]
     assert len(merged.buckets) == 4 and len(merged.buckets[-1].collectives) == 15
 
 

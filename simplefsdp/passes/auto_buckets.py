@@ -98,19 +98,18 @@ def _merge(units: list[_Unit], kind: str, ranks: tuple[int, ...], hardware: Hard
            prefetch: int) -> list[Bucket]:
     groups: list[list[_Unit]] = [[units[0]]]
     for index, unit in enumerate(units[1:], start=1):
-        candidate = groups[-1] + [unit]
-        size = sum(u.bytes for u in candidate)
+        parts = (groups[-1], [unit])
+        part_bytes = [sum(u.bytes for u in part) for part in parts]
+        size, merged_seconds = sum(part_bytes), collective_seconds(kind, sum(part_bytes), ranks, hardware)
         if kind == "all_gather":
             hiding = sum(u.compute for u in groups[-2]) if len(groups) > 1 else 0.0
         else:
             hiding = units[index + 1].compute if index + 1 < len(units) else 0.0
-        saved = sum(collective_seconds(kind, sum(u.bytes for u in part), ranks, hardware)
-                    for part in (groups[-1], [unit])) - collective_seconds(kind, size, ranks, hardware)
-        copied = sum(2 * sum(u.bytes for u in part) / hardware.memory_bandwidth  # read and written once
-                     for part in (groups[-1], [unit]) if sum(len(u.bucket.collectives) for u in part) == 1)
-        if collective_seconds(kind, size, ranks, hardware) <= hiding and size * (prefetch + 1) <= budget \
-                and copied <= saved:
-            groups[-1] = candidate
+        saved = sum(collective_seconds(kind, b, ranks, hardware) for b in part_bytes) - merged_seconds
+        copied = sum(2 * b / hardware.memory_bandwidth  # a lone collective's tensor, read and written once
+                     for b, part in zip(part_bytes, parts) if sum(len(u.bucket.collectives) for u in part) == 1)
+        if merged_seconds <= hiding and size * (prefetch + 1) <= budget and copied <= saved:
+            groups[-1] = groups[-1] + [unit]
         else:
             groups.append([unit])
     return [Bucket("+".join(u.bucket.name for u in group), kind,
