@@ -15,6 +15,7 @@ import simplefsdp
 from simplefsdp.cli import main
 from simplefsdp.ir.capture import TraceError
 from simplefsdp.ir.hardware import get_profile
+from simplefsdp.ir.render import SHRINK, format_bytes
 from simplefsdp.ir.schedule import COLLECTIVE, WAIT, read_schedule
 from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.runtime.mixed_precision import MixedPrecision
@@ -158,6 +159,22 @@ def test_summary_tabulates_the_stages_then_the_plans_then_the_final_graphs(fully
     assert "  all_gather tok_embeddings: 1 collective(s) [tok_embeddings]" in plans
     assert "  reduce_scatter layers.0: " in plans and "issue all_gather_into_tensor_out_1 after " in plans
     assert summary.index(plans) < summary.index("reordered graphs (what runs)\npredicted step")
+
+
+def test_a_peak_over_the_devices_memory_is_named_with_what_to_shrink(fully_sharded):
+    """The final summary says when the predicted peak is over the profile's ``memory_capacity``, and names the fix for
+    the category that holds the most at the peak; where the peak fits (equal included), it says nothing."""
+    memory = fully_sharded.prediction.memory
+    largest = max(memory.peak_by_category.items(), key=lambda item: item[1])[0]
+    def summary(capacity: int) -> str:
+        return dataclasses.replace(fully_sharded, hardware=dataclasses.replace(
+            fully_sharded.hardware, memory_capacity=capacity)).summary()
+
+    summaries = {capacity: summary(capacity) for capacity in (memory.peak_bytes - 1, memory.peak_bytes)}
+    line = next(line for line in summaries[memory.peak_bytes - 1].splitlines() if line.startswith("does not fit"))
+    assert line.startswith(f"does not fit: the peak is over h100's {format_bytes(memory.peak_bytes - 1)} per device")
+    assert line.endswith(f"; {largest} hold the most: {SHRINK[largest]}")
+    assert "does not fit" not in summaries[memory.peak_bytes] and "does not fit" not in fully_sharded.summary()
 
 
 def test_save_writes_each_stage_plans_summaries_png_and_trace(fully_sharded, traced, tmp_path):

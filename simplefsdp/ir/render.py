@@ -6,7 +6,7 @@ import json
 
 from simplefsdp.ir.cost_model import collective_time
 from simplefsdp.ir.hardware import HardwareProfile
-from simplefsdp.ir.memory import CATEGORIES
+from simplefsdp.ir.memory import CATEGORIES, MemoryProfile
 from simplefsdp.ir.schedule import Schedule
 from simplefsdp.ir.simulator import Prediction
 
@@ -56,6 +56,7 @@ def text_summary(title: str, schedules: list[Schedule], prediction: Prediction, 
         f"exposed {format_seconds(prediction.exposed_communication)}, overlap {prediction.overlap_fraction:.1%}, "
         f"lower bound {format_seconds(prediction.lower_bound)}",
         f"peak memory per rank {format_bytes(memory.peak_bytes)} at {memory.peak_at}: {split}",
+        *_overflow(memory, hardware),
         f"FLOPs per rank per step {flops:.4g}",
         *(f"{schedule.phase} region {name} (in {schedule.phase}.py): the compute of {len(blocks)} block(s), "
           f"{blocks[0]}{f' to {blocks[-1]}' if len(blocks) > 1 else ''}"
@@ -70,6 +71,23 @@ def text_summary(title: str, schedules: list[Schedule], prediction: Prediction, 
                      f"{row['group']:>5}  {row['dtype']:8}  {format_bytes(row['bytes']):>11}  "
                      f"{format_seconds(row['time']):>10}  {hidden}")
     return "\n".join(lines) + "\n"
+
+
+# What to shrink, by the memory category that holds the most at a peak over the device's memory
+SHRINK = {"activations": "recompute them (--activation-checkpointing selective, or full to keep the least), or lower "
+                         "--batch-size or --seq-len",
+          "sharded_params": "shard over more ranks (--world-size)", "gradients": "shard over more ranks (--world-size)",
+          "unsharded_params": "cap the gathered bytes in flight (--memory-budget BYTES)",
+          "comm_buffers": "cap the gathered bytes in flight (--memory-budget BYTES)"}
+
+
+def _overflow(memory: MemoryProfile, hardware: HardwareProfile) -> list[str]:
+    """A line saying the predicted peak is over the device's memory, naming what to shrink; none where it fits."""
+    if memory.peak_bytes <= hardware.memory_capacity:
+        return []
+    largest = max(CATEGORIES, key=memory.peak_by_category.__getitem__)
+    return [f"does not fit: the peak is over {hardware.name}'s {format_bytes(hardware.memory_capacity)} per device "
+            f"(optimizer state not counted); {largest} hold the most: {SHRINK[largest]}"]
 
 
 def stage_table(records: list[dict]) -> str:
