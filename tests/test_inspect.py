@@ -166,6 +166,7 @@ def test_a_peak_over_the_devices_memory_is_named_with_what_to_shrink(fully_shard
     the category that holds the most at the peak; where the peak fits (equal included), it says nothing."""
     memory = fully_sharded.prediction.memory
     largest = max(memory.peak_by_category.items(), key=lambda item: item[1])[0]
+
     def summary(capacity: int) -> str:
         return dataclasses.replace(fully_sharded, hardware=dataclasses.replace(
             fully_sharded.hardware, memory_capacity=capacity)).summary()
