@@ -1,8 +1,8 @@
 """The zoo on 2 gloo ranks with default options (``compile_sharded(model)``: Inductor, ``buckets="auto"``), each model
-at a real depth (Hugging Face Llama at 32 layers, Qwen2 at 24, ConvNeXt at 18 (3, 3, 9 and 3 blocks), GPT-2, BERT,
-ViT, wav2vec2 and Gemma 3 at 12, T5 at 8 + 8, Mixtral, DeepSeek-V3 and Falcon at 8, a torchtitan-style Llama with
-complex rotary embeddings at 16, a ResNet of 8 residual blocks with batch norm; wav2vec2 again as it comes, its
-graph broken) against an independent reference:
+at a real depth (Hugging Face Llama at 80 layers, Llama 3 70B's depth, Qwen2 at 24, ConvNeXt at 18 (3, 3, 9 and 3
+blocks), GPT-2, BERT, ViT, wav2vec2 and Gemma 3 at 12, T5 at 8 + 8, Mixtral, DeepSeek-V3 and Falcon at 8, a
+torchtitan-style Llama with complex rotary embeddings at 16, a ResNet of 8 residual blocks with batch norm; wav2vec2
+again as it comes, its graph broken) against an independent reference:
 one process training the whole batch from the same init, or, for batch norm, ``DistributedDataParallel`` on the same
 ranks. Every model of ``zoo.ZOO`` trains in one launch (one process start, one gloo group), a few SGD steps each;
 the bounds are derived in ``zoo.py`` as in ``scenarios.py``. The untied token embeddings are looked up where they
