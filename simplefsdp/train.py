@@ -284,7 +284,12 @@ def train(args: argparse.Namespace) -> None:
         mfus.append(share * flops_per_step / step_times[-1] / (peak * world) if peak else float("nan"))
         if len(step_times) == 1 and args.compile:
             hits, lookups = graph_cache_hits()
-            cached = f" ({hits} of {lookups} graphs from Inductor's cache)" if lookups else ""
+            # one rank of a host compiles a graph and the others load it (``InductorOncePerHost``): counted over the
+            # ranks, so that a cold run says it compiled whichever rank prints
+            compiled = torch.tensor(lookups - hits, device=device)
+            dist.all_reduce(compiled)
+            cached = (f" ({max(0, lookups - int(compiled.item()))} of {lookups} graphs from Inductor's cache)"
+                      if lookups else "")
             say(f"compiled in {step_times[0]:.1f} s{cached}", flush=True)
         note = "  recompiled" if len(step_times) > 1 and args.compile and compiled_graphs() > graphs else ""
         if replicas:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -21,9 +22,9 @@ from simplefsdp.ir.hardware import BUILT_IN
 from simplefsdp.models.llama import CONFIGS
 
 
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "simplefsdp", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "simplefsdp", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
@@ -127,6 +128,24 @@ def test_train_on_two_ranks_from_a_text_file_announces_compilation_and_plots_the
     assert f"wrote {tmp_path / 'loss.png'}" in result.stdout
     assert png_size(tmp_path / "loss.png") == (800, 450)
     assert "Warning" not in result.stderr, result.stderr
+
+
+def test_a_first_run_from_empty_caches_says_it_compiled_every_graph_and_a_second_that_it_loaded_them(tmp_path):
+    """A new user's first run, on 2 ranks: one rank compiles each graph and the other loads it from Inductor's cache
+    (``InductorOncePerHost``), whichever reaches it first. The line counts a graph any rank compiled as compiled;
+    it counted rank 0's own loads before, and said ``2 of 2 graphs from Inductor's cache`` in 3 of 9 such runs
+    here, where rank 1 had compiled them."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "SIMPLEFSDP_CACHE": str(tmp_path)}
+    counts = []
+    for _ in range(2):
+        result = run_cli("train", "--model", "debug", "--nproc", "2", "--steps", "1", "--seq-len", "16", env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        line = re.search(r"^compiled in \d+\.\d s \((\d+) of (\d+) graphs from Inductor's cache\)$", result.stdout,
+                         flags=re.M)
+        assert line, result.stdout
+        counts.append((int(line[1]), int(line[2])))
+    (cold, graphs), (warm, graphs_again) = counts
+    assert graphs > 0 and (cold, warm, graphs_again) == (0, graphs, graphs)
 
 
 def test_bad_dtype_names_the_choices():
