@@ -29,17 +29,12 @@ EXCHANGE_WRITES = 4
 _CPU_GROUPS: dict[str, dist.ProcessGroup] = {}  # by name, the groups lookups compare their ranks' shapes on
 
 
-class _AverageGradient(torch.autograd.Function):
-    """Identity; the gradient divided by ``world``, as the gathered table's reduce-scatter averages it."""
-
-    @staticmethod
-    def forward(ctx, shard: torch.Tensor, world: int) -> torch.Tensor:
-        ctx.world = world
-        return shard.view_as(shard)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad / ctx.world, None
+def _averaging_gradient(embedded: torch.Tensor, world: int) -> torch.Tensor:
+    """``embedded``'s values (``x - x`` is +0 for a finite ``x``, and ``x - +0`` is ``x``, -0 included), whose
+    gradient is divided by ``world``, as the gathered table's reduce-scatter averages it. No ``autograd.Function``:
+    torch 2.13 keeps a graph holding one out of AOTAutograd's cache, so every warm start would trace the model again."""
+    kept = embedded.detach()
+    return kept - (kept - embedded) / world
 
 
 def can_look_up_where_sharded(module: nn.Module, mode: str, mesh: Any, plain: bool) -> bool:
@@ -86,9 +81,10 @@ def sharded_lookup(ids: torch.Tensor, param: DTensor, first_row: torch.Tensor, r
                    dtype: torch.dtype | None) -> torch.Tensor:
     """``F.embedding(ids, full_table, padding_idx)`` in ``dtype``, the table's gradient averaged over ranks into
     ``param``'s shard, without gathering the table. Each rank's ids are embedded apart, so that a row's gradient sums
-    each rank's tokens first, then the ranks, as the gathered table's reduce-scatter does (bitwise on 2 ranks)."""
+    each rank's tokens first, then the ranks, as the gathered table's reduce-scatter does; each token's gradient is
+    divided by the world first, which the reduce-scatter does after (bitwise on 2 ranks, where halving is exact)."""
     world, group = param.device_mesh.size(), param.device_mesh.get_group()
-    shard = _AverageGradient.apply(param.to_local(), world)
+    shard = param.to_local()
     every_id = funcol.all_gather_tensor(ids.reshape(-1), 0, group).view(world, -1)
     local = every_id - first_row
     held = (local >= 0) & (local < rows)
@@ -99,7 +95,8 @@ def sharded_lookup(ids: torch.Tensor, param: DTensor, first_row: torch.Tensor, r
         if padding_idx is not None:  # its row gets no gradient
             embedded = torch.where((every_id[rank] == padding_idx)[:, None], embedded.detach(), embedded)
         pieces.append(torch.where(held[rank, :, None], embedded, 0))
-    return funcol.reduce_scatter_tensor_autograd(torch.cat(pieces), "sum", 0, group).view(*ids.shape, -1)
+    embedded = funcol.reduce_scatter_tensor_autograd(torch.cat(pieces), "sum", 0, group)
+    return _averaging_gradient(embedded, world).view(*ids.shape, -1)
 
 
 def agree_on_shapes_every_call(model: nn.Module, call: Callable) -> Callable:
