@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
 from collectives import CountCollectives
 from ranks import run_on_ranks
 from scenarios import FORWARD_BACKWARD_BOUND
@@ -87,3 +89,17 @@ def test_accumulation_matches_one_batch_and_defers_reduction(mode, mesh_shape, b
             assert not any("reduce" in name for name in counts), counts
         # the same counter sees one reduction per parameter in the last micro-batch
         assert reductions[-1].get(reduction, 0) == len(dict(build_model("debug").named_parameters()))
+
+
+def test_aotautograds_cache_keeps_the_graphs_of_unsynced_micro_batches(fake_world):
+    """So a warm start loads them instead of tracing them again (torch 2.13 bypasses the cache for a graph holding
+    an ``autograd.Function``, as the routing of gradients to their pending sums once was): the micro-batch with sync
+    off and the one that reduces the sums."""
+    model = compile_sharded(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+    counters.clear()
+    with model.no_sync():
+        model(torch.randn(4, 8)).sum().backward()
+    model(torch.randn(4, 8)).sum().backward()
+    cache = counters["aot_autograd"]
+    assert cache["autograd_cache_bypass"] == 0 and cache["total"] == 2, dict(cache)
+    assert cache["autograd_cache_saved"] + cache["autograd_cache_hit"] == 2, dict(cache)

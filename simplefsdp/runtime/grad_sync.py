@@ -29,17 +29,11 @@ def new_accumulator(param: torch.Tensor, device: str, dtype: torch.dtype | None)
     return param.new_zeros((), device=device, dtype=dtype or param.dtype).expand(param.shape).requires_grad_()
 
 
-class _RouteGradient(torch.autograd.Function):
-    """Identity on ``value``; the incoming gradient goes to ``accumulator`` (in its dtype) instead of ``value``."""
-
-    @staticmethod
-    def forward(ctx, value: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
-        ctx.accumulator_dtype = accumulator.dtype
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, grad.to(ctx.accumulator_dtype)
+def _routed(value: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
+    """``value``'s values (``accumulator`` holds zeros, and ``x - +0`` is ``x``); the gradient goes to ``accumulator``
+    (in its dtype), none to ``value``. No ``autograd.Function``: torch 2.13 keeps a graph holding one out of
+    AOTAutograd's cache, so every warm start would trace it again."""
+    return value.detach() - (accumulator.detach() - accumulator).to(value.dtype)
 
 
 def route_gradient(full: torch.Tensor, accumulator: torch.Tensor, sync: GradientSync) -> torch.Tensor:
@@ -48,7 +42,7 @@ def route_gradient(full: torch.Tensor, accumulator: torch.Tensor, sync: Gradient
     pending, and the accumulator is not read: Dynamo then neither wraps it as an input nor guards on it."""
     if sync.enabled and (not sync.reductions_registered or accumulator.grad is None):
         return full
-    return _RouteGradient.apply(full.detach(), accumulator)
+    return _routed(full, accumulator)
 
 
 Reduce = Callable[[nn.Module, str, torch.Tensor], None]
