@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import simplefsdp
+from changing_shapes import (CHANGING_SHAPES, RAGGED_SEQ_LENS, run_changing_shape_jobs, train_changing_shapes,
+                             train_ragged)
 from ranks import run_on_ranks
-from scenarios import (CHANGING_SHAPES, RAGGED_SEQ_LENS, build, run_changing_shape_jobs, train_changing_shapes,
-                       train_ragged)
+from scenarios import build
 from simplefsdp.cli import build_parser
 from simplefsdp.data import step_seq_len
 from simplefsdp.models.llama import build_model
