@@ -17,6 +17,7 @@ from simplefsdp.ir.render import SHRINK, format_bytes
 from simplefsdp.ir.schedule import COLLECTIVE, WAIT, read_schedule
 from simplefsdp.models.llama import build_model, get_config
 from simplefsdp.runtime.mixed_precision import MixedPrecision
+from zoo import build
 
 BF16_FP32 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 LAYERS = get_config("debug").n_layers
@@ -58,6 +59,19 @@ def test_attention_is_traced_as_the_fused_kernel(fully_sharded):
     assert "aten._scaled_dot_product_flash_attention.default" in ops
     assert "aten._scaled_dot_product_flash_attention_backward.default" in ops
     assert "aten.bmm.default" not in ops  # no unfused attention matmuls
+
+
+def test_attention_with_a_mask_is_traced_as_the_memory_efficient_kernel():
+    """Hugging Face passes ``scaled_dot_product_attention`` a causal mask under ``torch.compile``. On meta tensors SDPA
+    would dispatch to its math, which saves every layer's attention probabilities (heads x tokens² each: SmolLM2's
+    layout at 8,192 tokens predicted 134 GiB a rank where its activations take 16); a GPU runs a fused kernel."""
+    torch.manual_seed(0)
+    report = simplefsdp.inspect(build("llama", layers=2), (torch.zeros(1, 64, dtype=torch.long),), world_size=2,
+                                hardware="h100", compile_blocks_once=False)
+    ops = {node.op for schedule in report.schedules for node in schedule.nodes}
+    assert "aten._scaled_dot_product_efficient_attention.default" in ops
+    assert "aten._scaled_dot_product_efficient_attention_backward.default" in ops
+    assert "aten.bmm.default" not in ops
 
 
 def test_schedule_dag_links_each_wait_to_its_collective(fully_sharded):

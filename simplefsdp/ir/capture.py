@@ -74,8 +74,8 @@ def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: 
                    dynamic: bool = False, joint_pass: Callable[[fx.GraphModule], object] | None = None
                    ) -> CapturedGraphs:
     """Trace ``model`` on ``example_inputs`` as ``torch.compile`` does and return its graphs, without running them. With
-    ``fused_attention`` an unmasked ``scaled_dot_product_attention`` is traced as the flash kernel a GPU runs, even on
-    meta tensors; with ``dynamic`` the inputs' sizes are traced as symbols. Raises ``TraceError`` naming the fix when
+    ``fused_attention`` ``scaled_dot_product_attention`` is traced as the fused kernel a GPU runs (flash, or
+    memory-efficient attention where it has a mask), even on meta tensors; with ``dynamic`` the inputs' sizes are traced as symbols. Raises ``TraceError`` naming the fix when
     the forward does not trace as one graph."""
     graphs: dict[str, fx.GraphModule] = {}
     dynamo_inputs: list[str | None] = []
@@ -288,11 +288,21 @@ def _parameter_placeholders(forward: fx.GraphModule, dynamo_inputs: list[str | N
 
 
 def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """``scaled_dot_product_attention`` through the flash kernel when it applies, else unchanged."""
-    if attn_mask is not None or enable_gqa or query.dim() != 4:
+    """``scaled_dot_product_attention`` through the kernel a GPU runs: flash without a mask, memory-efficient attention
+    with one (a boolean mask made an additive bias first, as SDPA makes it; Hugging Face passes a causal mask under
+    ``torch.compile``), rather than the math a meta tensor dispatches to, which saves every attention probability."""
+    if enable_gqa or query.dim() != 4:
         return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
-    return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+    if attn_mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                                  scale=scale)[0]
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            attn_mask.logical_not(), float("-inf"))
+    bias = attn_mask.expand(*query.shape[:-1], key.shape[-2])
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout_p, is_causal,
+                                                                  scale=scale)[0]
 
 
 def _use_fused_attention(gm: fx.GraphModule) -> None:
