@@ -75,8 +75,8 @@ def capture_graphs(model: nn.Module, example_inputs: tuple, *, fused_attention: 
                    ) -> CapturedGraphs:
     """Trace ``model`` on ``example_inputs`` as ``torch.compile`` does and return its graphs, without running them. With
     ``fused_attention`` ``scaled_dot_product_attention`` is traced as the fused kernel a GPU runs (flash, or
-    memory-efficient attention where it has a mask), even on meta tensors; with ``dynamic`` the inputs' sizes are traced as symbols. Raises ``TraceError`` naming the fix when
-    the forward does not trace as one graph."""
+    memory-efficient attention where it has a mask), even on meta tensors; with ``dynamic`` the inputs' sizes are
+    traced as symbols. Raises ``TraceError`` naming the fix when the forward does not trace as one graph."""
     graphs: dict[str, fx.GraphModule] = {}
     dynamo_inputs: list[str | None] = []
     names = {id(param): name for name, param in model.named_parameters()}
