@@ -103,6 +103,23 @@ def test_inspect_traces_hugging_face_models_as_they_come_without_their_cache(fam
     assert model.config.use_cache  # the user's model is not changed
 
 
+def test_regions_of_a_hugging_face_model_save_its_mask_not_a_bias_per_block():
+    """Hugging Face passes attention a boolean causal mask, which each block makes an additive fp32 bias of. Compiled
+    once, each block's forward saved its own bias for its backward (4 here, 256 KiB each), where the whole graph saves
+    one; now the bias is made once outside the regions and passed in (``passes/region_inputs.py:
+    compute_biases_once``): the forward saves no more for the backward than the whole graph's."""
+    saved = {}
+    for blocks_once in (None, False):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4, max_position_embeddings=256))
+        report = simplefsdp.inspect(model, (torch.zeros(1, 256, dtype=torch.long),), world_size=2,
+                                    compile_blocks_once=blocks_once)
+        saved[blocks_once] = sum(saved_input.bytes for saved_input in report.final.backward.inputs)
+        regions = sum(node.op == "invoke_subgraph" for node in report.final.backward.nodes)
+        assert regions == (4 if blocks_once is None else 0), report.summary()
+    assert saved[None] <= saved[False], saved
+
+
 @pytest.fixture
 def one_rank_world():
     """compile_sharded's own 1-rank world (no launcher), taken down after the test: later files start their own."""
