@@ -4,22 +4,23 @@ in ``tests/test_mfu.py``) over the hardware profile's peak."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from simplefsdp.ir.cpu_measure import measuring_threads
 from simplefsdp.ir.hardware import cpu_profile, gpu_profile
-from simplefsdp.models.llama import build_model, get_config
 
 
-def step_flops(model_name: str, layers: int | None, batch_size: int, seq_len: int) -> float:
-    """FLOPs of one forward and backward of ``model_name`` (with ``layers`` blocks, if given) on ``batch_size`` x
-    ``seq_len`` tokens, without activation checkpointing's recomputation: 6 per matmul weight and token (forward 2,
-    backward 4; the embedding is a lookup and the norms' weights are elementwise) and attention's two matmuls,
-    ``12 * layers * batch * seq_len^2 * dim``. Counted from the shapes, not traced: tracing costs seconds per block."""
-    with torch.device("meta"):
-        model = build_model(model_name, n_layers=layers)
-    matmul_params = sum(p.numel() for p in model.parameters() if p.ndim == 2) - model.tok_embeddings.weight.numel()
+def step_flops(model: nn.Module, attention: tuple[int, int], batch_size: int, seq_len: int) -> float:
+    """FLOPs of one forward and backward of ``model`` on ``batch_size`` x ``seq_len`` tokens, without activation
+    checkpointing's recomputation: 6 per matmul weight and token (forward 2, backward 4: each 2-D weight of a module
+    other than an embedding, which is a lookup; a tied output layer counted once) and attention's two matmuls,
+    ``12 * layers * batch * seq_len^2 * width`` for ``attention = (layers, width)``, the width of its queries (heads x
+    head dim). Counted from the shapes, not traced: tracing costs seconds per block."""
+    weights = {id(p): p.numel() for module in model.modules() if not isinstance(module, nn.Embedding)
+               for p in module.parameters(recurse=False) if p.ndim == 2}
+    layers, width = attention
     tokens = batch_size * seq_len
-    return 6 * matmul_params * tokens + 12 * len(model.layers) * tokens * seq_len * get_config(model_name).dim
+    return 6 * sum(weights.values()) * tokens + 12 * layers * tokens * seq_len * width
 
 
 def peak_flops_per_second(device: torch.device, dtype: torch.dtype) -> float | None:

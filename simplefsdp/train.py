@@ -231,9 +231,9 @@ def train(args: argparse.Namespace) -> None:
     device = next(model.parameters()).device
     say = print_line if rank == 0 else (lambda *_, **__: None)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * dp_world
-    flops_per_step, peak = (step_flops(args.model, args.layers, args.batch_size, args.seq_len) * args.grad_accum
+    flops_per_step, peak = (step_flops(model, workload.attention, args.batch_size, args.seq_len) * args.grad_accum
                             * dp_world, peak_flops_per_second(device, dtype_named(args.param_dtype) or torch.float32)
-                            ) if rank == 0 and workload.config else (0, None)
+                            ) if rank == 0 and workload.attention else (0, None)
     layout = f"mesh (dp {dp_world}, tp {args.tp})" if args.tp > 1 else f"mode {args.mode}"
     say(f"simplefsdp train: {args.model} ({num_params / 1e6:.2f}M params in {len(blocks(model))} blocks) on {world} "
         f"rank(s), {layout}, {args.grad_accum} x {args.batch_size}x{args.seq_len} tokens per "

@@ -54,8 +54,8 @@ class ModelWithLoss(nn.Module):
 @dataclass
 class Workload:
     """``builder()``: the model on the default device, initialized from torch's seed (unless on ``meta``), or a
-    user's ``(model, batch[, loss])``. ``config``: a reference model's (tensor parallelism, MFU); ``width``: the
-    hidden size (GaLore's default rank)."""
+    user's ``(model, batch[, loss])``. ``config``: a reference model's (tensor parallelism); ``width``: the hidden
+    size (GaLore's default rank); ``attention``: its layers and query width (heads x head dim), where MFU counts."""
 
     name: str
     builder: Callable[[], nn.Module | tuple]
@@ -64,6 +64,7 @@ class Workload:
     width: int | None = None
     loss: Callable[[object, torch.Tensor], torch.Tensor] = token_loss
     user_batch: Callable[[int, int, int], Batch] | None = None
+    attention: tuple[int, int] | None = None
 
     def build(self, seed: int) -> nn.Module:
         """A fresh model initialized from ``seed`` (on ``meta``: not initialized); a user's function also sets the
@@ -119,7 +120,8 @@ def load_workload(spec: str, layers: int | None = None) -> Workload:
     """The workload ``--model spec`` names, with ``layers`` blocks where given; ``ValueError`` naming the fix."""
     if spec in CONFIGS:
         config = get_config(spec)
-        return Workload(spec, partial(build_model, spec, n_layers=layers), config, config.max_seq_len, config.dim)
+        return Workload(spec, partial(build_model, spec, n_layers=layers), config, config.max_seq_len, config.dim,
+                        attention=(layers or config.n_layers, config.dim))
     if spec.startswith("hf:"):
         return _hugging_face(spec, Path(spec[3:]), layers)
     if ":" in spec:
@@ -155,7 +157,17 @@ def _hugging_face(spec: str, path: Path, layers: int | None) -> Workload:
         return model_class._from_config(config, dtype=torch.float32)
 
     return Workload(spec, builder, max_seq_len=getattr(config, "max_position_embeddings", None),
-                    width=getattr(config, "hidden_size", None))
+                    width=getattr(config, "hidden_size", None), attention=_attention(config))
+
+
+def _attention(config) -> tuple[int, int] | None:
+    """A Hugging Face config's layers and query width (heads x head dim); None for a mixture of experts (each token
+    runs a few of its weights, which PaLM's accounting does not count) or a config that does not name them."""
+    if getattr(config, "num_experts_per_tok", None) or not all(
+            hasattr(config, key) for key in ("num_hidden_layers", "num_attention_heads", "hidden_size")):
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, config.num_attention_heads * head_dim
 
 
 def _users(spec: str, layers: int | None) -> Workload:
