@@ -75,12 +75,20 @@ class WithUnusedWeight(nn.Module):
         return x * self.scale
 
 
-def _blocks_with_an_unused_weight(x: torch.Tensor, whole: torch.Tensor) -> dict:
-    """``WithUnusedWeight`` blocks compiled by default, as ``_compiled_by_default`` reads them, then trained one
-    backward on this rank's rows ``x`` of ``whole``: which parameters got a gradient, and whether those are the
-    unsharded blocks' on ``whole``."""
+class PicksWithAWeight(WithUnusedWeight):
+    """Scales its input by a weight where another weight picks (the top 4 of 8 of its product with the input): the
+    picking weight gets no gradient, as an indexer's of DeepSeek-V3.2's sparse attention (Hunyuan V4's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale * torch.zeros_like(x).scatter(-1, (x * self.unused).topk(4).indices, 1.0)
+
+
+def _blocks_with_an_unused_weight(x: torch.Tensor, whole: torch.Tensor, block: type = WithUnusedWeight) -> dict:
+    """``block``s compiled by default, as ``_compiled_by_default`` reads them, then trained one backward on this rank's
+    rows ``x`` of ``whole``: which parameters got a gradient, and whether those are the unsharded blocks' on
+    ``whole``."""
     torch.manual_seed(0)
-    model = nn.Sequential(WithUnusedWeight(), WithUnusedWeight())
+    model = nn.Sequential(block(), block())
     reference = copy.deepcopy(model)
     result = _compiled_by_default(model, x)
     model(x.detach().requires_grad_()).sum().backward()
@@ -114,6 +122,7 @@ def _step_back_on_a_failed_region() -> dict:
                                                 (FactorReadByItsForward, (2.0, 4.0, 2.0, 4.0)))},
             "strided": _compiled_by_default(_strided_blocks(1, 2, 1, 2), torch.ones(1, 4, 16, 16)),
             "unused": _blocks_with_an_unused_weight(x[rank:rank + 1], x),
+            "picking": _blocks_with_an_unused_weight(x[rank:rank + 1], x, PicksWithAWeight),
             "installed": regions_installed, "after": _compiles_blocks_once(model), "said": said.getvalue(),
             "output": torch.equal(output, expected[rank:rank + 1]),
             "grads": all(torch.equal(p.grad.full_tensor() * 2, q.grad)  # the ranks' mean of sums, the whole batch's sum
@@ -167,9 +176,9 @@ def test_a_region_torch_cannot_build_steps_back_to_the_whole_graph_on_every_rank
 def test_blocks_holding_a_weight_they_never_read_compile_once_and_leave_it_without_a_gradient(per_rank):
     """A region is handed every parameter of its block, gathered, also one its compute never reads (XLNet, Longformer):
     the blocks run as regions with nothing said, the output exact (an elementwise product), the unused weights without
-    a gradient, as under FSDP2, the others the unsharded blocks' (exact, as in the step-back test above)."""
-    for result in per_rank:
-        unused = result["unused"]
+    a gradient, as under FSDP2, the others the unsharded blocks' (exact, as in the step-back test above). So too where
+    the compute reads the weight into integers alone (top-k positions: ``PicksWithAWeight``)."""
+    for unused in [result[key] for result in per_rank for key in ("unused", "picking")]:
         assert unused["regions"] and unused["exact"] and unused["said"] == "", unused
         assert unused["grads"] == [True, False, True, False] and unused["grads_equal"], unused
 

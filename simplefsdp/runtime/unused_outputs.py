@@ -4,7 +4,8 @@ torch 2.13's compiled backward hands zeros for an output the loss does not read 
 only such outputs got an all-zero gradient. Each Dynamo graph is read once for which outputs each input reaches; a hook
 on the outputs' backward node drops the gradient of every leaf input that reaches none the loss read. The compiled
 backward, its reduce-scatters included, still runs whole. Before that, each region input its subgraph never reads (a
-block's parameter its compute does not read) is dropped from the region, so that parameter gets no gradient either.
+block's parameter its compute does not read) is dropped from the region, so that parameter gets no gradient either;
+one it reads only into integers (an indexer's weight picking top-k positions) is handed to the region detached.
 """
 
 from __future__ import annotations
@@ -74,9 +75,37 @@ def drop_region_inputs(gm: fx.GraphModule, unread: dict[str, tuple[int, ...]]) -
 
 
 def drop_unread_region_inputs(gm: fx.GraphModule) -> None:
-    """Drop from ``gm``'s regions the inputs their subgraphs never read, and the operands from the regions' calls."""
+    """Drop from ``gm``'s regions the inputs their subgraphs never read, and the operands from the regions' calls;
+    detach the operands of the inputs they read without a gradient (``ungraded_region_inputs``)."""
     if unread := unread_region_inputs(gm):
         drop_region_inputs(gm, unread)
+    for call in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
+        for index in ungraded_region_inputs(getattr(gm, call.args[0].target)):
+            with gm.graph.inserting_before(call):
+                call.update_arg(2 + index, gm.graph.call_method("detach", (call.args[2 + index],)))
+    gm.recompile()
+
+
+def ungraded_region_inputs(body: fx.GraphModule) -> tuple[int, ...]:
+    """The positions of a region's inputs requiring a gradient that reach its outputs through integer or boolean values
+    alone (an indexer's weight that only picks top-k positions, as DeepSeek-V3.2's sparse attention): they get no
+    gradient, and handed to the region as requiring one, their gathered copy's gradient was None, which DTensor's
+    redistribute backward cannot take. A value Dynamo recorded no tensor for counts as carrying a gradient."""
+    graded: set[fx.Node] = set()
+    output = body.graph.output_node()
+    for node in reversed(body.graph.nodes):
+        if _carries_gradient(node) and any(user is output or user in graded for user in node.users):
+            graded.add(node)
+    return tuple(index for index, node in enumerate(body.graph.find_nodes(op="placeholder")) if node.users
+                 and node not in graded and getattr(node.meta.get("example_value"), "requires_grad", False))
+
+
+def _carries_gradient(node: fx.Node) -> bool:
+    """Whether ``node``'s value could carry a gradient: not a tensor (or tuple of tensors) of integers or booleans."""
+    value = node.meta.get("example_value")
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return not all(isinstance(v, torch.Tensor) for v in values) or any(
+        v.is_floating_point() or v.is_complex() for v in values)
 
 
 class KeepGradientsOfUnusedOutputs:
