@@ -79,11 +79,14 @@ def drop_unread_region_inputs(gm: fx.GraphModule) -> None:
     detach the operands of the inputs they read without a gradient (``ungraded_region_inputs``)."""
     if unread := unread_region_inputs(gm):
         drop_region_inputs(gm, unread)
-    for call in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
-        for index in ungraded_region_inputs(getattr(gm, call.args[0].target)):
+    calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    ungraded = {name: ungraded_region_inputs(getattr(gm, name)) for name in {call.args[0].target for call in calls}}
+    for call in calls:
+        for index in ungraded[call.args[0].target]:
             with gm.graph.inserting_before(call):
                 call.update_arg(2 + index, gm.graph.call_method("detach", (call.args[2 + index],)))
-    gm.recompile()
+    if any(ungraded.values()):
+        gm.recompile()
 
 
 def ungraded_region_inputs(body: fx.GraphModule) -> tuple[int, ...]:
