@@ -183,3 +183,9 @@ def test_a_vocabulary_smaller_than_a_byte_gets_tokens_below_it(tmp_path):
     with torch.device("meta"):
         model = workload.build(seed=0)
     assert load_tokens(None).max() >= 100 and workload.tokens(model, None, 0).max() == 99
+
+
+def test_a_config_naming_no_architecture_builds_its_model_types_causal_lm(tmp_path):
+    """A config.json written by hand or by ``AutoConfig.for_model(...).save_pretrained`` may name no architecture."""
+    tiny_llama_config(architectures=None).save_pretrained(tmp_path)
+    assert type(load_workload(f"hf:{tmp_path}").build(seed=0)) is LlamaForCausalLM

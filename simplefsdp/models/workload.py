@@ -150,11 +150,14 @@ def _hugging_face(spec: str, path: Path, layers: int | None) -> Workload:
         config.pad_token_id = -1  # no token is padding: each sequence is classified at its last token
     weighted = path.is_dir() and any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES)
     model_class = getattr(transformers, head)
+    # a config.json that names no architecture: the Auto class builds its model type's causal LM (only a concrete
+    # class has _from_config, which keeps the config's attention implementation)
+    from_config = model_class.from_config if head.startswith("Auto") else model_class._from_config
 
     def builder() -> nn.Module:
         if weighted and torch.get_default_device().type != "meta":
             return model_class.from_pretrained(folder, config=config, local_files_only=True, dtype=torch.float32)
-        return model_class._from_config(config, dtype=torch.float32)
+        return from_config(config, dtype=torch.float32)
 
     return Workload(spec, builder, max_seq_len=getattr(config, "max_position_embeddings", None),
                     width=getattr(config, "hidden_size", None), attention=_attention(config))
