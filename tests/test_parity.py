@@ -61,6 +61,7 @@ TWO_RANK_JOBS = {
     "graph_break-inductor": ("graph_break", "simplefsdp", INDUCTOR),
     # each block's frames compiled once for all nine (aot_eager: Dynamo's frames are the point, not Inductor's kernels)
     "graph_break_in_each_block-aot_eager": ("graph_break_in_each_block", "simplefsdp", {"backend": "aot_eager"}),
+    "routed_experts-inductor": ("routed_experts", "simplefsdp", INDUCTOR),
     # the whole graph, beside the default (each block's compute compiled once; "tied_llama" ties weights outside
     # the blocks)
     "llama-whole-graph-inductor": ("llama", "simplefsdp", {**INDUCTOR, "compile_blocks_once": False}),
@@ -177,3 +178,11 @@ def test_graph_break_warns_once_naming_it(results):
     for rank in results["graph_break-inductor"]:
         assert len(rank["warnings"]) == 1
         assert "graph_break" in rank["warnings"][0] or "graph break" in rank["warnings"][0].lower()
+
+
+def test_sizes_read_with_tolist_compile_into_one_graph(results):
+    """Experts' sizes read with ``.tolist()`` are traced as values known at run time, not a graph break: every rank
+    runs the same graphs whatever its data routes where (after a break, each rank's frames were compiled for its own
+    sizes, and JetMoE's ranks ran different collectives). Its losses and updates: ``test_matches_single_process_
+    reference``."""
+    assert all(rank["warnings"] == [] for rank in results["routed_experts-inductor"])

@@ -72,20 +72,29 @@ def compile_in_place(module: nn.Module, backend: str | Callable, options: dict[s
             filtered = {**(options.get("options") or {}), "guard_filter_fn": without_output_structure_guards}
             options = {**options, "options": filtered}
         compiled = torch.compile(sharded_call, backend=KeepGradientsOfUnusedOutputs(backend), **options)
-        call = _tell_graph_breaks_and_recompiles(_refuse_eager_past_the_recompile_limit(compiled, module), module)
+        call = _tell_graph_breaks_and_recompiles(_rank_consistent_dynamo(compiled, module), module)
     set_compiled_call(module, agree_on_shapes_every_call(module, call))
 
 
-def _refuse_eager_past_the_recompile_limit(compiled: Callable, module: nn.Module) -> Callable:
-    """``compiled``, raising where Dynamo would run a frame eagerly past its recompile limit: that rank's collectives,
-    unbucketed and in eager order, would not match the other ranks' compiled graphs (gloo fails, NCCL hangs). Where
-    the call broke the graph, the error names the break: Dynamo then compiles the code between breaks frame by frame,
-    a graph for each setting a frame's guards tell apart (a block's, a parameter's name)."""
+# Dynamo's settings under every compiled call, so every rank compiles and runs the same graphs: past its recompile
+# limit a frame raises instead of running eagerly (below), and ``.item()`` or ``.tolist()`` is traced into the graph
+# as a value unknown until run time, not a graph break, after which each rank's frames would be compiled for its own
+# data's values and could differ in their collectives (JetMoE's expert sizes, measured in docs/models-from-other-
+# libraries.md).
+RANK_CONSISTENT_DYNAMO = {"fail_on_recompile_limit_hit": True, "capture_scalar_outputs": True}
+
+
+def _rank_consistent_dynamo(compiled: Callable, module: nn.Module) -> Callable:
+    """``compiled``, called under ``RANK_CONSISTENT_DYNAMO`` and raising where Dynamo would run a frame eagerly past
+    its recompile limit: that rank's collectives, unbucketed and in eager order, would not match the other ranks'
+    compiled graphs (gloo fails, NCCL hangs). Where the call broke the graph, the error names the break: Dynamo then
+    compiles the code between breaks frame by frame, a graph for each setting a frame's guards tell apart."""
     dynamo_config = torch._dynamo.config
 
     def call(*args, **kwargs):
-        users_setting = dynamo_config.fail_on_recompile_limit_hit  # set and reset: 6 us, config.patch's 190 us
-        dynamo_config.fail_on_recompile_limit_hit = True
+        users_settings = {key: getattr(dynamo_config, key) for key in RANK_CONSISTENT_DYNAMO}
+        for key, value in RANK_CONSISTENT_DYNAMO.items():  # set and reset: 6 us each, config.patch's 190 us
+            setattr(dynamo_config, key, value)
         breaks_before = dict(counters["graph_break"])
         try:
             return compiled(*args, **kwargs)
@@ -105,7 +114,8 @@ def _refuse_eager_past_the_recompile_limit(compiled: Callable, module: nn.Module
                                "dynamic=True where shapes vary, or raise torch._dynamo.config.recompile_limit on "
                                "every rank.") from error
         finally:
-            dynamo_config.fail_on_recompile_limit_hit = users_setting
+            for key, value in users_settings.items():
+                setattr(dynamo_config, key, value)
 
     return call
 
