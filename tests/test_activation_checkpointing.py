@@ -95,14 +95,14 @@ def _dropout_outputs(mode: str, compile_blocks_once: bool) -> list[torch.Tensor]
 
 
 def _hugging_face_outputs(checkpointing: dict | None, compile_blocks_once: bool) -> list[torch.Tensor]:
-    """Loss and gradients of a 2-layer Hugging Face Llama, checkpointed by its own ``gradient_checkpointing_enable``
+    """Loss and gradients of a 2-layer Hugging Face Llama, checkpointed by its own ``activation_checkpointing_enable``
     with ``checkpointing``'s arguments (None: not checkpointed), compiled with aot_eager."""
     from zoo import build
 
     model = build("llama", layers=2).train()
     config = model.config
     if checkpointing is not None:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
     compile_sharded(model, backend="aot_eager", compile_blocks_once=compile_blocks_once)
     tokens = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
     loss = F.cross_entropy(model(tokens[:, :-1]).logits.flatten(0, 1), tokens[:, 1:].flatten())
@@ -129,7 +129,7 @@ def _random_op_modes() -> dict[str, bool]:
 
 def test_checkpointed_random_ops_are_saved_not_recomputed():
     """Both policies save what dropout and attention drew (torch 2.13's AOTAutograd failed on recomputing them beside
-    DTensors), and so do Hugging Face layers checkpointed by ``gradient_checkpointing_enable``, which failed the same
+    DTensors), and so do Hugging Face layers checkpointed by ``activation_checkpointing_enable``, which failed the same
     way: aot_eager draws the same numbers in the same order whether a block is checkpointed, or compiled once, or
     neither, so output and gradients are bitwise those without checkpointing."""
     for modes in run_on_ranks(2, _random_op_modes):

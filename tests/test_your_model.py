@@ -138,7 +138,7 @@ def test_a_hugging_face_model_as_it_comes_trains_without_its_cache_in_regions(on
     torch.manual_seed(0)
     reference = LlamaForCausalLM(tiny_llama_config())
     assert reference.config.use_cache  # the default
-    reference.gradient_checkpointing_enable()
+    reference.activation_checkpointing_enable()
     model = simplefsdp.compile_sharded(copy.deepcopy(reference), backend="aot_eager", compile_blocks_once=True)
     tokens = torch.arange(16).reshape(2, 8)
     with warnings.catch_warnings(record=True) as caught:

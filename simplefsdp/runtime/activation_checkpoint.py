@@ -66,7 +66,7 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> No
 
 
 def checkpoint_hugging_face_layers_fully(model: nn.Module) -> None:
-    """Layers checkpointed by Hugging Face's ``gradient_checkpointing_enable()`` checkpoint with the ``full`` policy:
+    """Layers checkpointed by Hugging Face's ``activation_checkpointing_enable()`` checkpoint with the ``full`` policy:
     the same recomputation, but what random ops drew is kept (theirs recomputes attention, which fails compiled)."""
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) is True and hasattr(module, "_gradient_checkpointing_func"):
