@@ -190,7 +190,7 @@ class RoutedExperts(nn.Module):
     ``.tolist()``, as JetMoE's layers do: a rank's sizes depend on its data (with 2 samples a rank, some expert gets
     none). Within ``FORWARD_BACKWARD_BOUND``'s counts: 4 matmuls of at most 8 terms and the loss's sums on the chain,
     6 reductions forward and as many backward, a softmax. The argmax could route a sample otherwise only where two
-    logits tie to fp32 rounding (a relative gap under 1e-6: about 1e-5 for these 30 routings)."""
+    logits tie to fp32 rounding (a relative gap under 1e-6: about 1e-5 for these 20 routings)."""
 
     def __init__(self) -> None:
         super().__init__()
